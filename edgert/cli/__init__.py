@@ -1,0 +1,43 @@
+"""The ``edgert`` command line: thin click commands over library functions.
+
+Each module here registers one family of commands on :data:`main`:
+
+- ``zoo.py``       ``edgert zoo list|build``          (host)
+- ``export.py``    ``edgert export|inspect|check``    (host)
+- ``bench.py``     ``edgert bench ...``               (host)
+
+Host commands import ``edgert.exporter`` / ``edgert.models`` inside the command body, so a
+board without the ``host`` extra can still run the runtime commands.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from edgert.errors import EdgertError
+
+
+class _Group(click.Group):
+    """A click group that prints an :class:`EdgertError` as one line, not a traceback."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except EdgertError as error:
+            click.echo(f"error: {error}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="edgert")
+def main() -> None:
+    """edgert: train one network across several weak, unequal edge devices."""
+
+
+def _register_commands() -> None:
+    from edgert.cli import bench, export, zoo  # noqa: F401  (each registers itself on main)
+
+
+_register_commands()

@@ -1,0 +1,163 @@
+"""``edgert export``, ``edgert inspect`` and ``edgert check``: cutting a model into a plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from edgert.cli import main
+from edgert.cli.host import require_host_extra
+from edgert.cli.table import format_table, human_bytes, human_count
+from edgert.manifest import TrainingConfig
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _split(values: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in values.split(",") if v.strip()) if values else ()
+
+
+@main.command("export")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Plan folder to write.")
+@click.option("--stages", type=int, default=None, help="Number of stages; cuts balanced by FLOPs.")
+@click.option("--cuts", default=None, help="Explicit cuts: block indices, block names or node names, comma-separated.")
+@click.option("--loss", type=click.Choice(["cross-entropy", "mse"]), default=None,
+              help="Loss on the last stage (default: the model's edgert.loss metadata, else cross-entropy).")
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@click.option("--lr", "learning_rate", type=float, default=1e-3, show_default=True)
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
+@click.option("--output", default=None, help="Graph output that is the prediction (default: the first).")
+@click.option("--block-depth", type=int, default=None, help="Name-scope depth that defines blocks (default: auto).")
+@click.option("--frozen", default=None, help="Initializers not to train, comma-separated.")
+def export_command(model: Path, out_dir: Path, stages: int | None, cuts: str | None, loss: str | None,
+                   optimizer: str, learning_rate: float, weight_decay: float, momentum: float,
+                   output: str | None, block_depth: int | None, frozen: str | None) -> None:
+    """Cut MODEL into pipeline stages and build their ORT training artifacts."""
+    require_host_extra("export")
+    from edgert.exporter.export import ExportOptions, choose_cuts, prepare_analysis, write_plan
+    from edgert.exporter.source import load_source_model
+
+    source = load_source_model(model)
+    for note in source.notes:
+        _progress(note)
+    metadata = {p.key: p.value for p in source.model.metadata_props}
+    loss_name = (loss or metadata.get("edgert.loss", "cross_entropy")).replace("-", "_")
+    training = TrainingConfig(loss=loss_name, optimizer=optimizer, learning_rate=learning_rate,
+                              weight_decay=weight_decay, momentum=momentum)
+    options = ExportOptions(stages=stages, cuts=_split(cuts), output=output, block_depth=block_depth,
+                            frozen=_split(frozen), training=training)
+    analysis = prepare_analysis(source, options)
+    _progress(f"{model.name}: {len(analysis.blocks)} blocks, {human_count(analysis.param_count)} parameters, "
+              f"{human_count(analysis.total_flops)} FLOPs/sample")
+    chosen = choose_cuts(analysis, options)
+    manifest = write_plan(source, analysis, chosen, out_dir, training, _progress)
+    click.echo(_stage_table(manifest, out_dir))
+
+
+@main.command("inspect")
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--block-depth", type=int, default=None, help="For an .onnx file: name-scope depth of blocks.")
+def inspect_command(target: Path, as_json: bool, block_depth: int | None) -> None:
+    """Show a plan folder's stages, or an ONNX model's blocks and legal cuts."""
+    if target.is_dir():
+        from edgert.manifest import load_manifest
+
+        manifest = load_manifest(target, verify=False)
+        click.echo(json.dumps(manifest.to_json(), indent=2) if as_json else _stage_table(manifest, target))
+        return
+    require_host_extra("inspect")
+    from edgert.exporter.export import ExportOptions, prepare_analysis
+    from edgert.exporter.source import load_source_model
+
+    analysis = prepare_analysis(load_source_model(target), ExportOptions(block_depth=block_depth))
+    if as_json:
+        click.echo(json.dumps(_analysis_json(analysis), indent=2))
+    else:
+        click.echo(_block_table(analysis))
+
+
+@main.command("check")
+@click.argument("plan", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The source model (default: the copy in the plan folder).")
+@click.option("--steps", type=int, default=3, show_default=True, help="Optimizer steps to compare.")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tolerance", type=float, default=1e-4, show_default=True, help="Largest relative difference allowed.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def check_command(plan: Path, model: Path | None, steps: int, batch_size: int, seed: int, tolerance: float,
+                  as_json: bool) -> None:
+    """Train PLAN's stages chained in one process and compare with the unsplit model."""
+    require_host_extra("check")
+    from edgert.exporter.check import check_plan
+
+    report = check_plan(plan, model, steps=steps, batch_size=batch_size, seed=seed, tolerance=tolerance)
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+    else:
+        rows = [(d.stage, f"{d.max_grad_abs_diff:.2e}", f"{d.max_grad_rel_diff:.2e}",
+                 f"{d.max_param_abs_diff:.2e}", f"{d.max_param_rel_diff:.2e}") for d in report.stages]
+        click.echo(format_table(["stage", "grad abs", "grad rel", f"param abs ({steps} steps)", "param rel"], rows))
+        click.echo(f"loss {report.loss:.6f} vs unsplit {report.reference_loss:.6f} (max diff {report.loss_diff:.2e})")
+        for note in report.notes:
+            click.echo(f"note: {note}")
+        verdict = "PASS" if report.ok else "FAIL"
+        click.echo(f"{verdict}: largest relative difference {max(report.max_grad_rel_diff, report.max_param_rel_diff):.2e}"
+                   f" (tolerance {tolerance:.0e})")
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def _stage_table(manifest, plan_dir: Path) -> str:
+    rows = []
+    for stage in manifest.stages:
+        blocks = stage.blocks[0] if len(stage.blocks) == 1 else f"{stage.blocks[0]} .. {stage.blocks[-1]}"
+        outputs = ", ".join(f"{t.name}{list(t.shape)}" for t in stage.outputs)
+        size = sum(a.bytes for a in stage.artifacts)
+        params = sum(int(_numel(p.shape)) for p in stage.parameters if p.trainable)
+        rows.append((stage.index, f"{blocks} ({len(stage.blocks)})", human_count(params),
+                     human_count(stage.flops_per_sample), outputs, human_bytes(size)))
+    table = format_table(["stage", "blocks", "params", "FLOPs/sample", "sends forward", "artifacts"], rows)
+    return f"{table}\nplan: {plan_dir}  loss: {manifest.training.loss}  optimizer: {manifest.training.optimizer}"
+
+
+def _numel(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count
+
+
+def _block_table(analysis) -> str:
+    rows = []
+    for block in analysis.blocks:
+        cut = analysis.cut_before(block.index) if block.index else None
+        crossing = ""
+        if cut is not None:
+            crossing = f"{len(cut.tensors)} tensor(s), {human_bytes(cut.bytes_per_sample)}/sample"
+            crossing += "" if cut.legal else f" (illegal: shares {', '.join(cut.shared_params)})"
+        rows.append((block.index, block.name, len(block.nodes), human_count(block.flops),
+                     human_bytes(block.param_bytes), crossing))
+    table = format_table(["block", "name", "nodes", "FLOPs/sample", "params", "cut before it carries"], rows)
+    return (f"{table}\n{len(analysis.blocks)} blocks (scope depth {analysis.block_depth}); "
+            f"cut with --cuts INDEX,... or --stages N")
+
+
+def _analysis_json(analysis) -> dict:
+    return {
+        "blocks": [{"index": b.index, "name": b.name, "nodes": len(b.nodes), "flops": b.flops,
+                    "param_bytes": b.param_bytes} for b in analysis.blocks],
+        "cuts": [{"index": c.index, "before_block": c.before_block, "after_node": c.after_node, "legal": c.legal,
+                  "bytes_per_sample": c.bytes_per_sample, "tensors": [t.to_json() for t in c.tensors]}
+                 for c in analysis.cuts],
+        "param_count": analysis.param_count,
+        "total_flops": analysis.total_flops,
+    }

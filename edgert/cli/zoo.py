@@ -1,0 +1,1 @@
+"""Placeholder registration module for the `zoo` commands."""

@@ -1,0 +1,20 @@
+"""Errors the runtime raises; each carries one line a user can act on.
+
+The CLI prints ``str(error)`` for any :class:`EdgertError` instead of a traceback.
+"""
+
+
+class EdgertError(Exception):
+    """Base of every error edgert reports to a user."""
+
+
+class ManifestError(EdgertError):
+    """A plan folder or its manifest is missing, malformed, or does not match its files."""
+
+
+class StageError(EdgertError):
+    """A stage was given inputs it cannot run on (wrong names, shapes or dtypes)."""
+
+
+class MissingDependencyError(EdgertError):
+    """An optional dependency (the ``host`` extra, torch) is needed but not installed."""

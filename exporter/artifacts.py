@@ -1,0 +1,230 @@
+"""Turning a stage's forward graph into ORT Training artifacts (DESIGN.md, stage semantics).
+
+Per stage, in ``stage<k>/``:
+- ``training.onnx``  forward + loss + backward; parameter gradients accumulate in ORT's
+  buffers; ``d(loss)/d(input)`` is exposed as ``<input>__dinput`` (the Module API hides
+  outputs ending in ``_grad``); BatchNorm running statistics come out as extra outputs;
+- ``eval.onnx``      the forward in training form (batch statistics), run for the pipeline's
+  forward pass, so that it matches the forward the backward recomputes;
+- ``infer.onnx``     the forward in inference form (running statistics), parameters as
+  inputs, for evaluation and merging;
+- ``optimizer.onnx`` ORT's optimizer graph (AdamW, or plain SGD);
+- ``checkpoint.ckpt`` the initial parameters and running statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from edgert.exporter.errors import ExportError, GradientError
+from edgert.exporter.loss import (
+    LOSS_OUTPUT,
+    SCALED_LOSS_OUTPUT,
+    add_real_loss,
+    add_vjp_loss,
+)
+from edgert.exporter.slice import StageGraph, value_info_of
+from edgert.manifest import BoundaryTensor, TrainingConfig
+from edgert.ort_training import gradient_builder, onnxblock, training_graph_utils
+
+INPUT_GRADIENT_SUFFIX = "__dinput"
+TRAINING, EVAL, INFER, OPTIMIZER, CHECKPOINT = "training", "eval", "infer", "optimizer", "checkpoint"
+FILE_NAMES = {
+    TRAINING: "training.onnx",
+    EVAL: "eval.onnx",
+    INFER: "infer.onnx",
+    OPTIMIZER: "optimizer.onnx",
+    CHECKPOINT: "checkpoint.ckpt",
+}
+
+
+@dataclass
+class StageArtifacts:
+    """The files written for one stage and the names its runtime needs."""
+
+    index: int
+    files: dict[str, Path]
+    input_gradients: dict[str, str]
+    output_gradients: dict[str, str]
+    labels: tuple[BoundaryTensor, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+
+def build_stage_artifacts(
+    stage: StageGraph,
+    config: TrainingConfig,
+    out_dir: Path,
+    gradient_outputs: list[BoundaryTensor],
+    wants_input_gradients: set[str],
+) -> StageArtifacts:
+    """Write the stage's artifacts into ``out_dir``.
+
+    ``gradient_outputs`` are the outputs the next stage sends gradients for (ignored on the
+    last stage); ``wants_input_gradients`` are the inputs whose gradients the previous stage
+    consumes.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {role: out_dir / name for role, name in FILE_NAMES.items()}
+    training, labels, output_gradients = _training_base(stage, config, gradient_outputs)
+    state_names = set(stage.parameters) | set(stage.buffers)
+    _move_initializers_to_inputs(training, state_names)
+    trainable_inits, buffer_inits = _state_tensors(stage)
+    requires_grad = set(stage.parameters) | (wants_input_gradients & {t.name for t in stage.inputs})
+    gradient_model = _build_gradients(training, requires_grad, stage)
+    user_outputs = [SCALED_LOSS_OUTPUT] + ([LOSS_OUTPUT, stage.outputs[0].name] if stage.is_last else [])
+    user_outputs += list(stage.buffer_updates)
+    input_gradients = _arrange_outputs(gradient_model, user_outputs, stage, requires_grad)
+    training_graph_utils().build_gradient_accumulation_graph(gradient_model, set(stage.parameters))
+    _save(gradient_model, files[TRAINING])
+    _save(_eval_model(stage, state_names), files[EVAL])
+    _save(_infer_model(stage, state_names), files[INFER])
+    notes = []
+    if not trainable_inits:
+        del files[OPTIMIZER]
+        notes.append("no trainable parameters: no optimizer.onnx written")
+    elif not _write_optimizer(config, trainable_inits, files[OPTIMIZER], stage.model):
+        del files[OPTIMIZER]
+        notes.append("ORT's SGD has no momentum or weight decay: no optimizer.onnx written (the runtime's is used)")
+    onnxblock().save_checkpoint((trainable_inits, buffer_inits), str(files[CHECKPOINT]))
+    return StageArtifacts(stage.index, files, input_gradients, output_gradients, labels, notes)
+
+
+def _training_base(
+    stage: StageGraph, config: TrainingConfig, gradient_outputs: list[BoundaryTensor]
+) -> tuple[onnx.ModelProto, tuple[BoundaryTensor, ...], dict[str, str]]:
+    model = copy.deepcopy(stage.model)
+    del model.graph.output[:]
+    if stage.is_last:
+        labels = add_real_loss(model, config.loss, stage.outputs[0])
+        outputs = [SCALED_LOSS_OUTPUT, LOSS_OUTPUT, stage.outputs[0].name]
+        gradients: dict[str, str] = {}
+        result_labels: tuple[BoundaryTensor, ...] = (labels,)
+    else:
+        gradients = add_vjp_loss(model, gradient_outputs)
+        outputs = [SCALED_LOSS_OUTPUT]
+        result_labels = ()
+    outputs += list(stage.buffer_updates)
+    model.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in outputs)
+    try:
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except onnx.shape_inference.InferenceError as error:
+        raise ExportError(f"stage {stage.index}: shape inference of the training graph failed: {error}") from None
+    return model, result_labels, gradients
+
+
+def _move_initializers_to_inputs(model: onnx.ModelProto, names: set[str]) -> None:
+    """Parameters and running statistics become graph inputs, fed by ORT from the checkpoint."""
+    kept = []
+    for init in model.graph.initializer:
+        if init.name in names:
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, init.dims))
+        else:
+            kept.append(init)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def _state_tensors(stage: StageGraph) -> tuple[list[onnx.TensorProto], list[onnx.TensorProto]]:
+    by_name = {init.name: init for init in stage.model.graph.initializer}
+    return [by_name[p] for p in stage.parameters], [by_name[b] for b in stage.buffers]
+
+
+def _build_gradients(model: onnx.ModelProto, requires_grad: set[str], stage: StageGraph) -> onnx.ModelProto:
+    from onnxruntime import SessionOptions
+
+    builder_class, get_optimized_model = gradient_builder()
+    options = SessionOptions()
+    options.log_severity_level = 3
+    try:
+        optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), requires_grad, options))
+        builder = builder_class(optimized.SerializeToString(), {SCALED_LOSS_OUTPUT}, requires_grad,
+                                SCALED_LOSS_OUTPUT, options)
+        builder.build()
+        return onnx.load_from_string(builder.get_model())
+    except RuntimeError as error:
+        raise GradientError(_explain_gradient_failure(str(error), stage)) from None
+
+
+def _explain_gradient_failure(message: str, stage: StageGraph) -> str:
+    match = re.search(r"has not been registered: (\S+) for node (.+)", message)
+    if match:
+        op, node = match.group(1), match.group(2).strip()
+        return (f"stage {stage.index}: ORT has no gradient for op {op} (node {node!r}); "
+                f"move it out of the trained part of the model or replace it with a differentiable op")
+    return f"stage {stage.index}: ORT could not build the gradient graph: {_first_line(message)}"
+
+
+def _first_line(message: str) -> str:
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    text = lines[-1] if lines else message
+    return text[:300]
+
+
+def _arrange_outputs(
+    model: onnx.ModelProto, user_outputs: list[str], stage: StageGraph, requires_grad: set[str]
+) -> dict[str, str]:
+    """Order outputs as [user outputs, parameter gradients] and expose input gradients."""
+    produced = {o.name: o for o in model.graph.output}
+    ordered = [produced[name] for name in user_outputs]
+    ordered += [produced[f"{i.name}_grad"] for i in model.graph.input if i.name in stage.parameters]
+    input_gradients = {}
+    for tensor in stage.inputs:
+        gradient = f"{tensor.name}_grad"
+        if tensor.name not in requires_grad or gradient not in produced:
+            continue
+        exposed = f"{tensor.name}{INPUT_GRADIENT_SUFFIX}"
+        model.graph.node.append(helper.make_node("Identity", [gradient], [exposed], name=f"/expose/{exposed}"))
+        ordered.append(value_info_of(BoundaryTensor(exposed, tensor.dtype, tensor.shape)))
+        input_gradients[tensor.name] = exposed
+    del model.graph.output[:]
+    model.graph.output.extend(ordered)
+    return input_gradients
+
+
+def _eval_model(stage: StageGraph, state_names: set[str]) -> onnx.ModelProto:
+    model = copy.deepcopy(stage.model)
+    _move_initializers_to_inputs(model, state_names)
+    return model
+
+
+def _infer_model(stage: StageGraph, state_names: set[str]) -> onnx.ModelProto:
+    """The forward with inference-mode normalisation: running statistics, no stat outputs."""
+    model = _eval_model(stage, state_names)
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization":
+            for attribute in node.attribute:
+                if attribute.name == "training_mode":
+                    attribute.i = 0
+            del node.output[1:]
+    return model
+
+
+def _write_optimizer(
+    config: TrainingConfig, params: list[onnx.TensorProto], path: Path, base: onnx.ModelProto
+) -> bool:
+    blocks = onnxblock()
+    opset = next(o.version for o in base.opset_import if o.domain in ("", "ai.onnx"))
+    if config.optimizer == "adamw":
+        optimizer = blocks.optim.AdamW(betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
+    elif config.optimizer == "sgd":
+        if config.weight_decay or config.momentum:
+            return False
+        optimizer = blocks.optim.SGD()
+    else:
+        raise ExportError(f"unknown optimizer {config.optimizer!r}; choose adamw or sgd")
+    with blocks.empty_base(opset_version=opset) as accessor:
+        optimizer((params, []))
+        model = accessor.model
+    model.ir_version = base.ir_version
+    _save(model, path)
+    return True
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    onnx.save(model, str(path))

@@ -1,0 +1,235 @@
+"""``edgert check``: a plan's stages, chained, must train exactly like the unsplit model.
+
+The reference is built independently of the stage builder, with ORT's own
+``generate_artifacts`` on the normalised whole model, and stepped with ORT's own optimizer
+model (or the runtime optimizer where ORT's SGD cannot express the config). On one seeded
+batch the check compares the loss, every parameter gradient, and every parameter after a
+few optimizer steps, per stage.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from edgert.chain import StageChain
+from edgert.exporter.normalise import normalise
+from edgert.exporter.source import from_model_proto
+from edgert.manifest import BoundaryTensor, Manifest, load_manifest
+from edgert.optimizer import make_optimizer
+from edgert.ort_training import native_stderr_silenced, training_api
+
+DEFAULT_TOLERANCE = 1e-4
+
+
+@dataclass
+class StageDiff:
+    """Largest differences of one stage's gradients and parameters from the reference."""
+
+    stage: int
+    max_grad_abs_diff: float
+    max_grad_rel_diff: float
+    max_param_abs_diff: float
+    max_param_rel_diff: float
+
+
+@dataclass
+class CheckReport:
+    """The result of ``edgert check``; ``ok`` when every relative difference is within tolerance."""
+
+    stages: list[StageDiff]
+    loss: float
+    reference_loss: float
+    loss_diff: float
+    max_grad_rel_diff: float
+    max_param_rel_diff: float
+    tolerance: float
+    steps: int
+    batch_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return max(self.max_grad_rel_diff, self.max_param_rel_diff,
+                   self.loss_diff / max(abs(self.reference_loss), 1e-12)) <= self.tolerance
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps: int = 3,
+               batch_size: int = 8, seed: int = 0, tolerance: float = DEFAULT_TOLERANCE) -> CheckReport:
+    """Compare the chained stages of ``plan_dir`` with the unsplit model it was cut from."""
+    plan_dir = Path(plan_dir)
+    manifest = load_manifest(plan_dir)
+    source = _source_model(plan_dir, manifest, model_path)
+    inputs, labels = _seeded_batch(manifest, source, batch_size, seed)
+    with tempfile.TemporaryDirectory(prefix="edgert-check-") as scratch:
+        reference = _Reference(source, manifest, Path(scratch))
+        chain = StageChain(plan_dir, manifest)
+        losses, ref_losses = [], []
+        grads = ref_grads = None
+        for step in range(steps):
+            losses.append(chain.train_batch(inputs, labels).loss)
+            ref_losses.append(reference.train_batch(inputs, labels))
+            if step == 0:
+                grads, ref_grads = chain.gradients(), reference.gradients()
+            chain.step()
+            reference.step()
+        params, ref_params = chain.parameters(include_buffers=False), reference.parameters()
+    stage_diffs = [_stage_diff(entry.index, [p.name for p in entry.parameters if p.trainable],
+                               grads, ref_grads, params, ref_params) for entry in manifest.stages]
+    return CheckReport(
+        stages=stage_diffs,
+        loss=losses[0],
+        reference_loss=ref_losses[0],
+        loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        max_grad_rel_diff=max(d.max_grad_rel_diff for d in stage_diffs),
+        max_param_rel_diff=max(d.max_param_rel_diff for d in stage_diffs),
+        tolerance=tolerance,
+        steps=steps,
+        batch_size=batch_size,
+        notes=reference.notes,
+    )
+
+
+def _source_model(plan_dir: Path, manifest: Manifest, model_path: str | Path | None) -> onnx.ModelProto:
+    from edgert.exporter.errors import ExportError
+    from edgert.exporter.source import load_source_model
+
+    candidates = [Path(model_path)] if model_path else [plan_dir / "source.onnx"]
+    for path in candidates:
+        if path.is_file():
+            source = load_source_model(path)
+            if source.sha256 != manifest.source_sha256:
+                raise ExportError(f"{path} is not the model this plan was cut from (sha256 differs)")
+            return source.model
+    raise ExportError(f"{plan_dir}: no source.onnx in the plan; pass the source model with --model")
+
+
+def _seeded_batch(manifest: Manifest, model: onnx.ModelProto, batch: int, seed: int):
+    rng = np.random.default_rng(seed)
+    inputs = {t.name: _random_tensor(rng, t, batch, _index_bound(model, t.name)) for t in manifest.model_input}
+    prediction = manifest.model_output
+    classes = int(prediction.shape[-1])
+    labels = {t.name: _random_tensor(rng, t, batch, classes) for t in manifest.labels}
+    return inputs, labels
+
+
+def _random_tensor(rng: np.random.Generator, tensor: BoundaryTensor, batch: int, bound: int) -> np.ndarray:
+    shape = tensor.shape_for(batch)
+    if np.issubdtype(np.dtype(tensor.dtype), np.integer):
+        return rng.integers(0, bound, size=shape).astype(tensor.dtype)
+    return rng.standard_normal(shape).astype(tensor.dtype)
+
+
+def _index_bound(model: onnx.ModelProto, name: str) -> int:
+    """For an integer input used as Gather indices, the size of the gathered table."""
+    initializers = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == name and node.input[0] in initializers:
+            return int(initializers[node.input[0]].dims[0])
+    return 2
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    abs_diff = float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return abs_diff, abs_diff / max(scale, 1e-12) if abs_diff else 0.0
+
+
+def _stage_diff(stage: int, names: list[str], grads, ref_grads, params, ref_params) -> StageDiff:
+    grad_diffs = [_relative(grads[n], ref_grads[n]) for n in names] or [(0.0, 0.0)]
+    param_diffs = [_relative(params[n], ref_params[n]) for n in names] or [(0.0, 0.0)]
+    return StageDiff(
+        stage=stage,
+        max_grad_abs_diff=max(d[0] for d in grad_diffs),
+        max_grad_rel_diff=max(d[1] for d in grad_diffs),
+        max_param_abs_diff=max(d[0] for d in param_diffs),
+        max_param_rel_diff=max(d[1] for d in param_diffs),
+    )
+
+
+class _Reference:
+    """The unsplit model, built and trained with ORT's own artifact generator and optimizer."""
+
+    def __init__(self, model: onnx.ModelProto, manifest: Manifest, scratch: Path):
+        from edgert.ort_training import onnxblock  # noqa: F401  (registers the torch-free package)
+        from onnxruntime.training import artifacts
+
+        self.notes: list[str] = []
+        trainable = normalise(from_model_proto(model, "reference"))
+        whole = trainable.model
+        keep = manifest.model_output.name
+        outputs = [o for o in whole.graph.output if o.name == keep]
+        del whole.graph.output[:]
+        whole.graph.output.extend(outputs)
+        config = manifest.training
+        loss = {"cross_entropy": artifacts.LossType.CrossEntropyLoss, "mse": artifacts.LossType.MSELoss}[config.loss]
+        ort_optimizer = config.optimizer == "adamw" or not (config.weight_decay or config.momentum)
+        with native_stderr_silenced():
+            artifacts.generate_artifacts(
+                whole, requires_grad=trainable.parameters, frozen_params=trainable.buffers, loss=loss,
+                optimizer=None, artifact_directory=str(scratch),
+            )
+        api = training_api()
+        self._parameters = trainable.parameters
+        self._state = api.CheckpointState.load_checkpoint(str(scratch / "checkpoint"))
+        self._module = api.Module(str(scratch / "training_model.onnx"), self._state)
+        self._module.train()
+        self._inputs = self._module.input_names()
+        if ort_optimizer:
+            path = scratch / "optimizer_model.onnx"
+            self._write_ort_optimizer(config, trainable, path, whole)
+            self._optimizer = api.Optimizer(str(path), self._module)
+            self._optimizer.set_learning_rate(config.learning_rate)
+            self._runtime_optimizer = None
+        else:
+            self.notes.append("reference stepped with the runtime SGD (ORT's SGD has no momentum/weight decay)")
+            self._optimizer = None
+            self._runtime_optimizer = make_optimizer(config)
+
+    @staticmethod
+    def _write_ort_optimizer(config, trainable, path: Path, whole: onnx.ModelProto) -> None:
+        from edgert.ort_training import onnxblock
+
+        blocks = onnxblock()
+        initializers = {i.name: i for i in trainable.model.graph.initializer}
+        params = [initializers[p] for p in trainable.parameters]
+        if config.optimizer == "adamw":
+            optimizer = blocks.optim.AdamW(betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
+        else:
+            optimizer = blocks.optim.SGD()
+        opset = next(o.version for o in whole.opset_import if o.domain in ("", "ai.onnx"))
+        with blocks.empty_base(opset_version=opset) as accessor:
+            optimizer((params, []))
+            model = accessor.model
+        model.ir_version = whole.ir_version
+        onnx.save(model, str(path))
+
+    def train_batch(self, inputs: dict[str, np.ndarray], labels: dict[str, np.ndarray]) -> float:
+        values = {**inputs, **labels}
+        # generate_artifacts names the label input "labels" (cross entropy) or "target" (MSE)
+        if "target" in self._inputs and "labels" in values:
+            values["target"] = values["labels"]
+        outputs = self._module(*[values[name] for name in self._inputs])
+        loss = outputs[0] if isinstance(outputs, tuple) else outputs
+        return float(loss)
+
+    def gradients(self) -> dict[str, np.ndarray]:
+        return {p: self._state.parameters[p].grad.copy() for p in self._parameters}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {p: self._state.parameters[p].data.copy() for p in self._parameters}
+
+    def step(self) -> None:
+        if self._optimizer is not None:
+            self._optimizer.step()
+        else:
+            params = {p: self._state.parameters[p].data for p in self._parameters}
+            self._runtime_optimizer.step(params, {p: self._state.parameters[p].grad for p in self._parameters})
+        self._module.lazy_reset_grad()

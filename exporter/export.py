@@ -1,0 +1,183 @@
+"""``edgert export``: load, normalise, analyse, cut, slice, build artifacts, write the plan.
+
+Stages are built from the last to the first, so each stage knows which of its outputs
+the next stage sends gradients for.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgert.exporter.analyse import ModelAnalysis, analyse
+from edgert.exporter.artifacts import StageArtifacts, build_stage_artifacts
+from edgert.exporter.cuts import balanced_cuts, resolve_cuts
+from edgert.exporter.errors import ExportError
+from edgert.exporter.normalise import normalise
+from edgert.exporter.slice import StageGraph, slice_stage, stage_ranges
+from edgert.exporter.source import SourceModel, load_source_model
+from edgert.manifest import (
+    ArtifactFile,
+    Manifest,
+    ParameterInfo,
+    StageEntry,
+    TrainingConfig,
+    sha256_of,
+    write_manifest,
+)
+
+Progress = Callable[[str], None]
+SOURCE_FILE = "source.onnx"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What the user asked for: how to cut, and how to train."""
+
+    stages: int | None = None
+    cuts: tuple[str, ...] = ()
+    output: str | None = None
+    block_depth: int | None = None
+    frozen: tuple[str, ...] = ()
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+
+def prepare_analysis(source: SourceModel, options: ExportOptions) -> ModelAnalysis:
+    """Normalise and analyse a loaded model."""
+    return analyse(normalise(source, options.frozen), options.output, options.block_depth)
+
+
+def choose_cuts(analysis: ModelAnalysis, options: ExportOptions) -> list[int]:
+    """Explicit cuts when given, else FLOP-balanced cuts for ``options.stages`` (default 1)."""
+    if options.cuts:
+        if options.stages is not None and options.stages != len(options.cuts) + 1:
+            raise ExportError(f"--stages {options.stages} disagrees with {len(options.cuts)} explicit cut(s)")
+        return resolve_cuts(analysis, list(options.cuts))
+    return balanced_cuts(analysis, options.stages or 1)
+
+
+def export_plan(
+    model_path: str | Path, out_dir: str | Path, options: ExportOptions, progress: Progress = lambda _: None
+) -> Manifest:
+    """Export ``model_path`` into the plan folder ``out_dir`` and return its manifest."""
+    source = load_source_model(model_path)
+    for note in source.notes:
+        progress(note)
+    analysis = prepare_analysis(source, options)
+    cuts = choose_cuts(analysis, options)
+    return write_plan(source, analysis, cuts, Path(out_dir), options.training, progress)
+
+
+def write_plan(
+    source: SourceModel,
+    analysis: ModelAnalysis,
+    cuts: list[int],
+    out_dir: Path,
+    training: TrainingConfig,
+    progress: Progress = lambda _: None,
+) -> Manifest:
+    """Slice at ``cuts``, build every stage's artifacts into ``out_dir``, write the manifest."""
+    _check_training_config(training)
+    _prepare_folder(out_dir)
+    ranges = stage_ranges(cuts, len(analysis.blocks))
+    graphs = [slice_stage(analysis, k, first, end) for k, (first, end) in enumerate(ranges)]
+    built: list[StageArtifacts] = [None] * len(graphs)  # type: ignore[list-item]
+    for stage in reversed(graphs):
+        progress(f"stage {stage.index}: blocks {stage.first_block}..{stage.end_block - 1}, building artifacts")
+        downstream = built[stage.index + 1] if not stage.is_last else None
+        gradient_outputs = [t for t in stage.outputs if downstream and t.name in downstream.input_gradients]
+        wants = {t.name for t in stage.inputs if t.differentiable and t.name not in _model_inputs(analysis)}
+        built[stage.index] = build_stage_artifacts(
+            stage, training, out_dir / f"stage{stage.index}", gradient_outputs, wants
+        )
+        for note in built[stage.index].notes:
+            progress(f"stage {stage.index}: {note}")
+    _copy_source(source, out_dir / SOURCE_FILE)
+    manifest = _manifest(source, analysis, graphs, built, out_dir, training)
+    write_manifest(manifest, out_dir)
+    progress(f"wrote {out_dir / 'manifest.json'} ({len(graphs)} stage(s))")
+    return manifest
+
+
+def _check_training_config(training: TrainingConfig) -> None:
+    if training.loss not in ("cross_entropy", "mse"):
+        raise ExportError(f"unknown loss {training.loss!r}; choose cross_entropy or mse")
+    if training.optimizer not in ("adamw", "sgd"):
+        raise ExportError(f"unknown optimizer {training.optimizer!r}; choose adamw or sgd")
+    if not training.learning_rate > 0:
+        raise ExportError(f"learning rate must be positive (got {training.learning_rate})")
+    if training.weight_decay < 0:
+        raise ExportError(f"weight decay must be >= 0 (got {training.weight_decay})")
+
+
+def _prepare_folder(out_dir: Path) -> None:
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise ExportError(f"{out_dir}: exists and is not a folder")
+        if any(out_dir.iterdir()) and not (out_dir / "manifest.json").exists():
+            raise ExportError(f"{out_dir}: folder is not empty and is not an edgert plan; choose another -o")
+        for child in out_dir.glob("stage*"):
+            shutil.rmtree(child)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _copy_source(source: SourceModel, path: Path) -> None:
+    """Keep the source model beside the plan, for ``edgert check`` and ``edgert merge``."""
+    if Path(source.path).is_file():
+        shutil.copyfile(source.path, path)
+    else:
+        path.write_bytes(source.model.SerializeToString())
+
+
+def _model_inputs(analysis: ModelAnalysis) -> set[str]:
+    return {t.name for t in analysis.inputs}
+
+
+def _manifest(
+    source: SourceModel,
+    analysis: ModelAnalysis,
+    graphs: list[StageGraph],
+    built: list[StageArtifacts],
+    out_dir: Path,
+    training: TrainingConfig,
+) -> Manifest:
+    metadata = {p.key: p.value for p in source.model.metadata_props}
+    stages = tuple(_stage_entry(analysis, graph, artifacts, out_dir) for graph, artifacts in zip(graphs, built))
+    return Manifest(
+        source_sha256=source.sha256,
+        source_name=Path(source.path).name,
+        training=training,
+        stages=stages,
+        model_input=analysis.inputs,
+        model_output=analysis.output,
+        labels=built[-1].labels,
+        blocks=tuple(b.name for b in analysis.blocks),
+        metadata=metadata,
+    )
+
+
+def _stage_entry(analysis: ModelAnalysis, graph: StageGraph, artifacts: StageArtifacts, out_dir: Path) -> StageEntry:
+    shapes = {i.name: tuple(i.dims) for i in graph.model.graph.initializer}
+    parameters = tuple(
+        ParameterInfo(name, shapes[name], analysis.tensors[name].dtype, trainable=name in graph.parameters)
+        for name in (*graph.parameters, *graph.buffers)
+    )
+    files = tuple(
+        ArtifactFile(role, str(path.relative_to(out_dir)), sha256_of(path), path.stat().st_size)
+        for role, path in artifacts.files.items()
+    )
+    return StageEntry(
+        index=graph.index,
+        blocks=tuple(b.name for b in analysis.blocks[graph.first_block:graph.end_block]),
+        inputs=graph.inputs,
+        outputs=graph.outputs,
+        parameters=parameters,
+        artifacts=files,
+        flops_per_sample=sum(b.flops for b in analysis.blocks[graph.first_block:graph.end_block]),
+        buffer_updates=graph.buffer_updates,
+        input_gradients=artifacts.input_gradients,
+        output_gradients=artifacts.output_gradients,
+        labels=artifacts.labels,
+    )

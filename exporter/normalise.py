@@ -1,0 +1,202 @@
+"""Put a model into the form ORT's gradient builder and the stage runtime need.
+
+Models exported by others rarely come in training form. This module:
+- names every node uniquely (cuts and errors refer to node names);
+- turns ``Constant`` nodes into initializers (constants may be copied into any stage);
+- removes ``Dropout`` (a stage's backward recomputes its forward, so the forward must be
+  deterministic);
+- sets ``BatchNormalization`` to ``training_mode=1`` with its running-stat outputs, which
+  the runtime copies back into the running statistics after each micro-batch;
+- gives ``LayerNormalization`` its ``Mean`` and ``InvStdDev`` outputs;
+- decides which initializers are trainable parameters, which are running statistics
+  (buffers), and which are constants; and infers shapes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgert.exporter.errors import ModelLoadError
+from edgert.exporter.source import SourceModel
+
+FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
+# Inputs (by position) that carry no gradient even when they hold float values.
+_NON_DIFFERENTIABLE_INPUTS = {
+    "Clip": {1, 2},
+    "Pad": {1, 2},
+    "Resize": {1, 2, 3},
+    "BatchNormalization": {3, 4},
+    "Dropout": {1, 2},
+}
+
+
+@dataclass
+class TrainableGraph:
+    """A normalised model plus what each initializer is for."""
+
+    model: onnx.ModelProto
+    parameters: list[str]
+    buffers: list[str]
+    # output tensor of a BatchNormalization -> the running statistic it updates
+    buffer_updates: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.model.graph
+
+
+def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGraph:
+    """Return a normalised copy of ``source.model``; ``frozen`` initializers are not trained."""
+    model = onnx.ModelProto()
+    model.CopyFrom(source.model)
+    notes = list(source.notes)
+    _name_nodes(model.graph)
+    constants = _constants_to_initializers(model.graph)
+    notes += _remove_dropout(model.graph)
+    buffer_updates = _batchnorm_training_form(model.graph)
+    _layernorm_training_form(model.graph)
+    _check_frozen(model.graph, frozen)
+    parameters, buffers = _classify_initializers(model.graph, constants, set(frozen), buffer_updates)
+    if not parameters:
+        raise ModelLoadError("the model has no trainable parameters (no float initializers)")
+    model = _infer_shapes(model)
+    return TrainableGraph(model, parameters, buffers, buffer_updates, notes)
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    seen: set[str] = set()
+    for index, node in enumerate(graph.node):
+        base = node.name or f"/{node.op_type}_{index}"
+        name, suffix = base, 1
+        while name in seen:
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        seen.add(name)
+        node.name = name
+
+
+def _constants_to_initializers(graph: onnx.GraphProto) -> set[str]:
+    constants: set[str] = set()
+    kept = []
+    for node in graph.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            kept.append(node)
+            continue
+        tensor = _constant_value(node)
+        tensor.name = node.output[0]
+        graph.initializer.append(tensor)
+        constants.add(tensor.name)
+    del graph.node[:]
+    graph.node.extend(kept)
+    return constants
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto:
+    attribute = node.attribute[0]
+    value = helper.get_attribute_value(attribute)
+    if attribute.name == "value":
+        return value
+    dtypes = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64, "value_ints": np.int64}
+    if attribute.name in dtypes:
+        return numpy_helper.from_array(np.asarray(value, dtype=dtypes[attribute.name]))
+    raise ModelLoadError(f"node {node.name!r}: Constant with attribute {attribute.name!r} is not supported")
+
+
+def _remove_dropout(graph: onnx.GraphProto) -> list[str]:
+    dropouts = [n for n in graph.node if n.op_type == "Dropout"]
+    if not dropouts:
+        return []
+    rename = {}
+    for node in dropouts:
+        if len(node.output) > 1 and node.output[1] and _is_used(graph, node.output[1]):
+            raise ModelLoadError(f"node {node.name!r}: the Dropout mask output is used; edgert cannot remove it")
+        rename[node.output[0]] = node.input[0]
+        graph.node.remove(node)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    for output in graph.output:
+        if output.name in rename:
+            graph.node.append(helper.make_node("Identity", [rename[output.name]], [output.name],
+                                               name=f"/{output.name}/Identity"))
+    return [f"removed {len(dropouts)} Dropout node(s): stage recomputation needs a deterministic forward"]
+
+
+def _is_used(graph: onnx.GraphProto, name: str) -> bool:
+    return any(name in n.input for n in graph.node) or any(o.name == name for o in graph.output)
+
+
+def _batchnorm_training_form(graph: onnx.GraphProto) -> dict[str, str]:
+    updates = {}
+    for node in graph.node:
+        if node.op_type != "BatchNormalization":
+            continue
+        _set_int_attribute(node, "training_mode", 1)
+        outputs = list(node.output) + [""] * (3 - len(node.output))
+        for slot, stat in ((1, node.input[3]), (2, node.input[4])):
+            if not outputs[slot]:
+                outputs[slot] = f"{stat}.updated"
+            updates[outputs[slot]] = stat
+        del node.output[:]
+        node.output.extend(outputs)
+    return updates
+
+
+def _layernorm_training_form(graph: onnx.GraphProto) -> None:
+    for node in graph.node:
+        if node.op_type != "LayerNormalization":
+            continue
+        outputs = list(node.output) + [""] * (3 - len(node.output))
+        outputs[1] = outputs[1] or f"{node.name}/Mean"
+        outputs[2] = outputs[2] or f"{node.name}/InvStdDev"
+        del node.output[:]
+        node.output.extend(outputs)
+
+
+def _set_int_attribute(node: onnx.NodeProto, name: str, value: int) -> None:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            attribute.i = value
+            return
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def _check_frozen(graph: onnx.GraphProto, frozen: tuple[str, ...]) -> None:
+    names = {i.name for i in graph.initializer}
+    unknown = [f for f in frozen if f not in names]
+    if unknown:
+        raise ModelLoadError(f"--frozen names no initializer: {', '.join(unknown)}")
+
+
+def _classify_initializers(
+    graph: onnx.GraphProto, constants: set[str], frozen: set[str], buffer_updates: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    buffers = set(buffer_updates.values())
+    differentiable_uses: Counter[str] = Counter()
+    for node in graph.node:
+        skip = _NON_DIFFERENTIABLE_INPUTS.get(node.op_type, set())
+        for position, name in enumerate(node.input):
+            if position not in skip:
+                differentiable_uses[name] += 1
+    parameters = []
+    for tensor in graph.initializer:
+        name = tensor.name
+        if name in constants or name in frozen or name in buffers:
+            continue
+        if tensor.data_type in FLOAT_TYPES and int(np.prod(tensor.dims)) > 1 and differentiable_uses[name]:
+            parameters.append(name)
+    return parameters, [b for b in (i.name for i in graph.initializer) if b in buffers]
+
+
+def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise ModelLoadError(f"shape inference failed: {first}") from None
