@@ -208,7 +208,9 @@ def _check_format(data: Any) -> None:
         raise ManifestError(f"not an edgert plan manifest (expected format {FORMAT!r})")
     version = data.get("format_version")
     if version != FORMAT_VERSION:
-        raise ManifestError(f"manifest format version {version!r} is not supported (this edgert reads {FORMAT_VERSION})")
+        raise ManifestError(
+            f"manifest format version {version!r} is not supported (this edgert reads {FORMAT_VERSION})"
+        )
 
 
 def sha256_of(path: Path) -> str:
@@ -259,5 +261,6 @@ def verify_file(path: Path, expected_sha256: str, what: str) -> None:
     actual = sha256_of(path)
     if actual != expected_sha256:
         raise ManifestError(
-            f"{what}: {path.name} does not match the manifest (sha256 {actual[:12]}..., expected {expected_sha256[:12]}...)"
+            f"{what}: {path.name} does not match the manifest "
+            f"(sha256 {actual[:12]}..., expected {expected_sha256[:12]}...)"
         )

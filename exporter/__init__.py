@@ -1,1 +1,18 @@
-"""placeholder"""
+"""edgert.exporter: the host side, from one ONNX model to a plan of ORT training stages.
+
+Map of the package (docs/EXPORTER.md; the plan format is docs/MANIFEST.md):
+
+- ``source.py``     :func:`load_source_model`: read, validate, lower the IR version for ORT 1.19
+- ``normalise.py``  :func:`normalise` -> :class:`TrainableGraph`: the training form of the graph
+- ``analyse.py``    :func:`analyse` -> :class:`ModelAnalysis`: blocks, FLOPs, crossing tensors
+- ``flops.py``      per-node forward FLOPs
+- ``cuts.py``       explicit cuts, or FLOP-balanced cuts
+- ``slice.py``      :func:`slice_stage` -> :class:`StageGraph`: one stage's forward sub-graph
+- ``loss.py``       the real loss (last stage) and the VJP loss (other stages)
+- ``artifacts.py``  :func:`build_stage_artifacts` -> :class:`StageArtifacts`
+- ``export.py``     :func:`export_plan`: the whole pipeline, writes the plan folder
+- ``check.py``      :func:`check_plan`: chained stages against the unsplit model
+- ``errors.py``     :class:`ExportError` and its kinds
+
+Needs ``onnx`` (the ``host`` extra); a board never imports this package.
+"""

@@ -340,7 +340,9 @@ class _ShapeTable:
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
         try:
-            session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            session = onnxruntime.InferenceSession(
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            )
             runs = [session.run(names, self._probe_feeds(batch)) for batch in (2, 3)]
         except Exception as error:  # noqa: BLE001 - ORT raises many types; report them as one
             raise ModelLoadError(f"could not determine the shapes of {names[:3]}: {error}") from None

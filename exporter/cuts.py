@@ -13,12 +13,13 @@ MAX_LISTED_CUTS = 40
 
 
 def legal_cuts_text(analysis: ModelAnalysis) -> str:
-    """A short listing of the legal cuts, for error messages and ``edgert inspect``."""
-    lines = [f"  {c.index}: before block {c.before_block!r} (after node {c.after_node!r})"
-             for c in analysis.cuts if c.legal]
-    if len(lines) > MAX_LISTED_CUTS:
-        lines = lines[:MAX_LISTED_CUTS] + [f"  ... and {len(lines) - MAX_LISTED_CUTS} more"]
-    return "legal cuts:\n" + "\n".join(lines) if lines else "the model has a single block: no legal cut"
+    """The legal cuts on one line, for error messages: ``index=block (after node)``."""
+    cuts = [f"{c.index}={c.before_block} (after {c.after_node})" for c in analysis.cuts if c.legal]
+    if not cuts:
+        return "the model has a single block: no legal cut"
+    if len(cuts) > MAX_LISTED_CUTS:
+        cuts = cuts[:MAX_LISTED_CUTS] + [f"... {len(cuts) - MAX_LISTED_CUTS} more (edgert inspect MODEL)"]
+    return "legal cuts: " + ", ".join(cuts)
 
 
 def resolve_cuts(analysis: ModelAnalysis, specs: list[str]) -> list[int]:
@@ -33,7 +34,7 @@ def resolve_cuts(analysis: ModelAnalysis, specs: list[str]) -> list[int]:
             index = int(spec)
             if not 1 <= index < len(analysis.blocks):
                 raise CutError(f"cut {spec}: block index must be in 1..{len(analysis.blocks) - 1}, "
-                               f"or the stage before or after it would be empty\n{legal_cuts_text(analysis)}")
+                               f"or the stage before or after it would be empty; {legal_cuts_text(analysis)}")
         elif spec in by_node:
             index = by_node[spec]
         elif spec in by_block:
@@ -41,9 +42,9 @@ def resolve_cuts(analysis: ModelAnalysis, specs: list[str]) -> list[int]:
         elif spec in node_names:
             block = analysis.blocks[analysis.node_block[spec]]
             raise CutError(f"cut {spec!r}: node is inside block {block.name!r}, not at its end; "
-                           f"cuts fall between blocks\n{legal_cuts_text(analysis)}")
+                           f"cuts fall between blocks; {legal_cuts_text(analysis)}")
         else:
-            raise CutError(f"cut {spec!r}: no such node or block\n{legal_cuts_text(analysis)}")
+            raise CutError(f"cut {spec!r}: no such node or block; {legal_cuts_text(analysis)}")
         indices.append(index)
     if len(set(indices)) != len(indices):
         raise CutError(f"cuts {', '.join(specs)} name the same cut twice, which would leave a stage empty")
@@ -53,7 +54,7 @@ def resolve_cuts(analysis: ModelAnalysis, specs: list[str]) -> list[int]:
         cut = analysis.cut_before(index)
         if not cut.legal:
             raise CutError(f"cut {index} (before block {cut.before_block!r}) would split parameter(s) "
-                           f"{', '.join(cut.shared_params)} between two stages\n{legal_cuts_text(analysis)}")
+                           f"{', '.join(cut.shared_params)} between two stages; {legal_cuts_text(analysis)}")
     return indices
 
 
@@ -67,7 +68,7 @@ def balanced_cuts(analysis: ModelAnalysis, stages: int) -> list[int]:
                        f"use at most {blocks} stages (or a deeper --block-depth)")
     legal = {c.index for c in analysis.cuts if c.legal}
     if stages - 1 > len(legal):
-        raise CutError(f"--stages {stages} needs {stages - 1} cuts but only {len(legal)} are legal\n"
+        raise CutError(f"--stages {stages} needs {stages - 1} cuts but only {len(legal)} are legal; "
                        f"{legal_cuts_text(analysis)}")
     prefix = [0]
     for block in analysis.blocks:
@@ -88,7 +89,7 @@ def balanced_cuts(analysis: ModelAnalysis, stages: int) -> list[int]:
                 if cost < best[s][j]:
                     best[s][j], choice[s][j] = cost, i
     if best[stages][blocks] == inf:
-        raise CutError(f"no way to make {stages} stages from the legal cuts\n{legal_cuts_text(analysis)}")
+        raise CutError(f"no way to make {stages} stages from the legal cuts; {legal_cuts_text(analysis)}")
     cuts, j = [], blocks
     for s in range(stages, 0, -1):
         j = choice[s][j]

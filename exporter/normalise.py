@@ -52,10 +52,14 @@ class TrainableGraph:
 
 
 def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGraph:
-    """Return a normalised copy of ``source.model``; ``frozen`` initializers are not trained."""
+    """Return a normalised copy of ``source.model``; ``frozen`` initializers are not trained.
+
+    Initializers listed in the model's ``edgert.frozen`` metadata are frozen too.
+    """
     model = onnx.ModelProto()
     model.CopyFrom(source.model)
     notes = list(source.notes)
+    frozen = tuple(frozen) + _frozen_by_metadata(model)
     _name_nodes(model.graph)
     constants = _constants_to_initializers(model.graph)
     notes += _remove_dropout(model.graph)
@@ -67,6 +71,13 @@ def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGra
         raise ModelLoadError("the model has no trainable parameters (no float initializers)")
     model = _infer_shapes(model)
     return TrainableGraph(model, parameters, buffers, buffer_updates, notes)
+
+
+def _frozen_by_metadata(model: onnx.ModelProto) -> tuple[str, ...]:
+    for prop in model.metadata_props:
+        if prop.key == "edgert.frozen":
+            return tuple(name for name in prop.value.split(",") if name)
+    return ()
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:

@@ -110,8 +110,8 @@ def check_command(plan: Path, model: Path | None, steps: int, batch_size: int, s
         for note in report.notes:
             click.echo(f"note: {note}")
         verdict = "PASS" if report.ok else "FAIL"
-        click.echo(f"{verdict}: largest relative difference {max(report.max_grad_rel_diff, report.max_param_rel_diff):.2e}"
-                   f" (tolerance {tolerance:.0e})")
+        largest = max(report.max_grad_rel_diff, report.max_param_rel_diff)
+        click.echo(f"{verdict}: largest relative difference {largest:.2e} (tolerance {tolerance:.0e})")
     if not report.ok:
         raise SystemExit(1)
 

@@ -1,0 +1,104 @@
+"""Bad input gets one clear line naming the problem (exit code 2), never a traceback."""
+
+import json
+
+import onnx
+from click.testing import CliRunner
+
+from edgert.cli import main
+from tests.conftest import make_skip_model
+
+
+def run(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_not_onnx(tmp_path):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"\x00\x01garbage" * 100)
+    assert_one_line_error(run("export", path, "-o", tmp_path / "plan"), "not an ONNX model")
+
+
+def test_invalid_graph(tmp_path):
+    model = make_skip_model()
+    model.graph.node[2].op_type = "NoSuchOp"
+    path = tmp_path / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    assert_one_line_error(run("export", path, "-o", tmp_path / "plan"), "invalid ONNX graph", "NoSuchOp")
+
+
+def test_unknown_cut_lists_the_legal_ones(skip_model_path, tmp_path):
+    result = run("export", skip_model_path, "--cuts", "nowhere", "-o", tmp_path / "plan")
+    assert_one_line_error(result, "cut 'nowhere': no such node or block",
+                          "legal cuts: 1=b (after /a/Gemm), 2=c (after /b/Relu), 3=d (after /c/Add)")
+
+
+def test_cut_by_node_name_inside_a_block(skip_model_path, tmp_path):
+    result = run("export", skip_model_path, "--cuts", "/c/Gemm", "-o", tmp_path / "plan")
+    assert_one_line_error(result, "inside block 'c'")
+
+
+def test_cut_that_leaves_a_stage_empty(skip_model_path, tmp_path):
+    assert_one_line_error(run("export", skip_model_path, "--cuts", "2,c", "-o", tmp_path / "plan"),
+                          "name the same cut twice", "stage empty")
+    assert_one_line_error(run("export", skip_model_path, "--cuts", "4", "-o", tmp_path / "plan"),
+                          "would be empty")
+
+
+def test_more_stages_than_blocks(skip_model_path, tmp_path):
+    assert_one_line_error(run("export", skip_model_path, "--stages", "5", "-o", tmp_path / "plan"),
+                          "more than the model's 4 blocks")
+
+
+def test_op_without_gradient_names_op_and_node(tmp_path):
+    model = make_skip_model()
+    model.graph.node[1].op_type = "Softplus"
+    path = tmp_path / "softplus.onnx"
+    path.write_bytes(model.SerializeToString())
+    assert_one_line_error(run("export", path, "--stages", "2", "-o", tmp_path / "plan"),
+                          "no gradient for op Softplus", "node '/b/Relu'")
+
+
+def test_explicit_cuts_by_index_block_and_node(skip_model_path, tmp_path):
+    for spec in ("1,3", "b,d", "/a/Gemm,/c/Add"):
+        result = run("export", skip_model_path, "--cuts", spec, "-o", tmp_path / spec.replace("/", "_"))
+        assert result.exit_code == 0, result.output
+        assert "wrote" in result.output
+
+
+def test_check_and_inspect_work_from_the_cli(skip_model_path, tmp_path):
+    plan = tmp_path / "plan"
+    assert run("export", skip_model_path, "--stages", "3", "-o", plan).exit_code == 0
+    inspected = run("inspect", plan)
+    assert inspected.exit_code == 0 and "FLOPs/sample" in inspected.output and "c_out['N', 6]" in inspected.output
+    checked = run("check", plan, "--json")
+    assert checked.exit_code == 0
+    report = json.loads(checked.output)
+    assert report["ok"] and report["max_grad_rel_diff"] <= 1e-4 and "loss_diff" in report
+
+
+def test_check_fails_with_exit_1_above_tolerance(skip_model_path, tmp_path):
+    plan = tmp_path / "plan"
+    assert run("export", skip_model_path, "--stages", "2", "-o", plan).exit_code == 0
+    result = run("check", plan, "--tolerance", "0", "--steps", "3")
+    assert result.exit_code == 1 and "FAIL" in result.output
+
+
+def test_mse_loss(tmp_path):
+    path = tmp_path / "regression.onnx"
+    onnx.save(make_skip_model(), str(path))
+    plan = tmp_path / "plan"
+    result = run("export", path, "--stages", "2", "--loss", "mse", "-o", plan)
+    assert result.exit_code == 0, result.output
+    checked = run("check", plan, "--json")
+    assert checked.exit_code == 0, checked.output
