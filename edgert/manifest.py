@@ -155,7 +155,7 @@ class Manifest:
         data["model_input"] = [t.to_json() for t in self.model_input]
         data["model_output"] = self.model_output.to_json()
         data["labels"] = [t.to_json() for t in self.labels]
-        data["stages"] = [_stage_to_json(s) for s in self.stages]
+        data["stages"] = [stage_to_json(s) for s in self.stages]
         return {"format": self.format, "format_version": self.format_version, **data}
 
     @classmethod
@@ -166,7 +166,7 @@ class Manifest:
                 source_sha256=data["source_sha256"],
                 source_name=data["source_name"],
                 training=TrainingConfig(**{**data["training"], "betas": tuple(data["training"]["betas"])}),
-                stages=tuple(_stage_from_json(s) for s in data["stages"]),
+                stages=tuple(stage_from_json(s) for s in data["stages"]),
                 model_input=tuple(BoundaryTensor.from_json(t) for t in data["model_input"]),
                 model_output=BoundaryTensor.from_json(data["model_output"]),
                 labels=tuple(BoundaryTensor.from_json(t) for t in data["labels"]),
@@ -177,7 +177,7 @@ class Manifest:
             raise ManifestError(f"manifest is malformed: {type(error).__name__}: {error}") from None
 
 
-def _stage_to_json(stage: StageEntry) -> dict[str, Any]:
+def stage_to_json(stage: StageEntry) -> dict[str, Any]:
     data = asdict(stage)
     data["inputs"] = [t.to_json() for t in stage.inputs]
     data["outputs"] = [t.to_json() for t in stage.outputs]
@@ -186,7 +186,7 @@ def _stage_to_json(stage: StageEntry) -> dict[str, Any]:
     return data
 
 
-def _stage_from_json(data: dict[str, Any]) -> StageEntry:
+def stage_from_json(data: dict[str, Any]) -> StageEntry:
     return StageEntry(
         index=int(data["index"]),
         blocks=tuple(data["blocks"]),

@@ -14,6 +14,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from edgert.errors import MissingDependencyError
@@ -22,18 +23,27 @@ _PACKAGE = "onnxruntime.training"
 
 
 def _register_bare_package() -> None:
+    """Register ``onnxruntime.training`` as a bare package before ``onnxruntime`` is imported.
+
+    Importing ``onnxruntime`` validates its build by importing ``onnxruntime.training.ortmodule``,
+    which imports torch (seconds, and not on a board). Marking ``ortmodule`` absent makes that
+    validation skip it; nothing in edgert uses ORTModule.
+    """
     if _PACKAGE in sys.modules:
         return
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    spec = importlib.util.find_spec("onnxruntime")  # a top-level spec: the package is not executed
+    locations = spec.submodule_search_locations if spec is not None else None
+    training = Path(locations[0]) / "training" if locations else None
+    if training is None or not (training / "api").is_dir():
         raise MissingDependencyError(
-            "onnxruntime-training is not installed: pip install onnxruntime-training-cpu==1.19.2 "
+            "onnxruntime with training support is not installed: pip install onnxruntime-training-cpu==1.19.2 "
             "(x86-64) or build ORT with --enable_training_apis (see platforms/)"
         )
     package = types.ModuleType(_PACKAGE)
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__spec__ = spec
+    package.__path__ = [str(training)]
+    package.__package__ = _PACKAGE
     sys.modules[_PACKAGE] = package
+    sys.modules.setdefault(f"{_PACKAGE}.ortmodule", None)
 
 
 def quiet_logging() -> None:

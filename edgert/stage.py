@@ -9,6 +9,7 @@ are numpy views on ORT's own buffers, so the optimizer updates them without copi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,8 @@ class StageSession:
         self.optimizer: Optimizer = make_optimizer(training)
         self._infer_session = None
         self._plan_dir = plan_dir
+        # Guards parameters and optimizer state: the optimizer writes them, /weights reads them.
+        self.lock = threading.RLock()
 
     def _module(self, api, plan_dir: Path, threads: int):
         from onnxruntime import SessionOptions
@@ -125,8 +128,9 @@ class StageSession:
 
     def step(self) -> None:
         """Apply the optimizer to the accumulated gradients, then clear them."""
-        self.optimizer.step(self._parameter_views(), self._gradient_views())
-        self._backward_module.lazy_reset_grad()
+        with self.lock:
+            self.optimizer.step(self._parameter_views(), self._gradient_views())
+            self._backward_module.lazy_reset_grad()
 
     def zero_grad(self) -> None:
         """Discard the accumulated gradients."""
@@ -166,7 +170,8 @@ class StageSession:
 
     def parameters(self, include_buffers: bool = True) -> dict[str, np.ndarray]:
         """Copies of the stage's parameters (and running statistics), by name."""
-        return {k: v.copy() for k, v in self._parameter_views(include_buffers).items()}
+        with self.lock:
+            return {k: v.copy() for k, v in self._parameter_views(include_buffers).items()}
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Copies of the accumulated parameter gradients, by name."""
@@ -178,17 +183,25 @@ class StageSession:
         unknown = [n for n in values if n not in known]
         if unknown:
             raise StageError(f"stage {self.entry.index} has no parameter(s) {', '.join(unknown[:5])}")
-        for name, value in values.items():
-            view = self._state.parameters[name].data
-            if view.shape != tuple(np.shape(value)):
-                raise StageError(f"parameter {name!r}: shape {list(np.shape(value))} does not match {list(view.shape)}")
-            view[...] = value
+        with self.lock:
+            views = {name: self._state.parameters[name].data for name in values}
+            for name, value in values.items():
+                if views[name].shape != tuple(np.shape(value)):
+                    raise StageError(f"parameter {name!r}: shape {list(np.shape(value))} "
+                                     f"does not match {list(views[name].shape)}")
+            for name, value in values.items():
+                views[name][...] = value
 
     def optimizer_state(self) -> StateDict:
-        return self.optimizer.state_dict()
+        with self.lock:
+            return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: StateDict) -> None:
-        self.optimizer.load_state_dict(state)
+        unknown = [n for n in state if n not in self._trainable]
+        if unknown:
+            raise StageError(f"stage {self.entry.index} has no trainable parameter(s) {', '.join(unknown[:5])}")
+        with self.lock:
+            self.optimizer.load_state_dict(state)
 
     # -- checking inputs ---------------------------------------------------------------------
 

@@ -188,14 +188,30 @@ def _arrange_outputs(
 
 
 def _eval_model(stage: StageGraph, state_names: set[str]) -> onnx.ModelProto:
+    """The forward with batch statistics, leaving the running statistics alone.
+
+    ORT's training-mode BatchNormalization updates its running-statistic inputs in place.
+    The running statistics must move once per micro-batch, in the backward; so here each
+    BatchNorm reads a private copy of them, local to this graph.
+    """
     model = copy.deepcopy(stage.model)
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization":
+            for slot in (3, 4):
+                private = copy.deepcopy(initializers[node.input[slot]])
+                private.name = f"{node.input[slot]}.forward_copy"
+                model.graph.initializer.append(private)
+                node.input[slot] = private.name
+    # The Module feeds every state tensor to the eval model, so the originals stay inputs (unused).
     _move_initializers_to_inputs(model, state_names)
     return model
 
 
 def _infer_model(stage: StageGraph, state_names: set[str]) -> onnx.ModelProto:
     """The forward with inference-mode normalisation: running statistics, no stat outputs."""
-    model = _eval_model(stage, state_names)
+    model = copy.deepcopy(stage.model)
+    _move_initializers_to_inputs(model, state_names)
     for node in model.graph.node:
         if node.op_type == "BatchNormalization":
             for attribute in node.attribute:
