@@ -1,0 +1,149 @@
+"""CoAP over TCP (RFC 8323) at the byte level: framing, fragmented delivery, over-size frames, garbage."""
+
+import socket
+
+import numpy as np
+import pytest
+from aiocoap import Message
+from aiocoap.numbers.codes import Code
+from aiocoap.transports.tcp import _serialize
+
+from edgert.transport import Envelope, decode_envelope, encode_envelope
+from edgert.transport.coap_tcp import _frame_length, _options_end, serialize_head
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def frame(code, token=b"\x01", path=("echo",), payload=b"", content_format=None, size1=None):
+    message = Message(code=code, payload=payload)
+    message.token = token
+    message.opt.uri_path = path
+    if content_format is not None:
+        message.opt.content_format = content_format
+    if size1 is not None:
+        message.opt.size1 = size1
+    return _serialize(message)
+
+
+def csm(max_size=1 << 20):
+    message = Message(code=Code.CSM)
+    from aiocoap import optiontypes
+    message.opt.add_option(optiontypes.UintOption(2, max_size))
+    return _serialize(message)
+
+
+class Peer:
+    """A hand-rolled RFC 8323 peer over a plain socket."""
+
+    def __init__(self, url):
+        host, port = url.split("://")[1].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.buf = b""
+        self.sock.sendall(csm())
+        server_csm = self.read()
+        assert server_csm[0] == Code.CSM
+
+    def read(self):
+        while True:
+            info = _frame_length(self.buf)
+            if info is not None:
+                token_at, tkl, rest = info
+                total = token_at + tkl + rest
+                if len(self.buf) >= total:
+                    data, self.buf = self.buf[:total], self.buf[total:]
+                    code = data[token_at - 1]
+                    end = _options_end(data, token_at + tkl, total)
+                    return code, data[token_at:token_at + tkl], data[end + 1:] if end < total else b"", data
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed by server")
+            self.buf += chunk
+
+    def close(self):
+        self.sock.close()
+
+
+def test_serialize_head_matches_aiocoap():
+    for payload in (b"", b"x", b"y" * 300, b"z" * 70000):
+        message = Message(code=Code.POST, payload=payload, uri_path=("a", "b"))
+        message.token = b"\x05\x06"
+        message.opt.content_format = 60
+        assert serialize_head(message) + payload == _serialize(message)
+
+
+def test_options_end_handles_partial_and_bad_input():
+    data = frame(Code.POST, path=("stage", "1"), payload=b"abc")
+    token_at, tkl, rest = _frame_length(data)
+    total = token_at + tkl + rest
+    assert data[_options_end(data, token_at + tkl, total) + 1:] == b"abc"
+    assert _options_end(data[:token_at + tkl + 2], token_at + tkl, total) is None
+    assert _frame_length(b"\xd0") is None and _frame_length(b"") is None
+
+
+def test_fragmented_and_coalesced_frames(live):
+    env = Envelope("activations", tensors={"x": np.arange(1000, dtype=np.float32)})
+    body = encode_envelope(env)
+    peer = Peer(live.tcp)
+    try:
+        request = frame(Code.POST, token=b"\x07", payload=body, content_format=60)
+        for i in range(0, len(request), 97):  # dribble the frame in small pieces
+            peer.sock.sendall(request[i:i + 97])
+        code, token, payload, _ = peer.read()
+        assert code == Code.CHANGED and token == b"\x07"
+        assert np.array_equal(decode_envelope(payload).tensors["x"], env.tensors["x"])
+        peer.sock.sendall(frame(Code.GET, b"\x08", ("weights",)) + frame(Code.GET, b"\x09", ("nope",)))
+        answers = {peer.read()[1]: None, peer.read()[1]: None}
+        assert set(answers) == {b"\x08", b"\x09"}
+    finally:
+        peer.close()
+
+
+def test_over_size_frame_is_answered_with_413_and_skipped(live, still_serving):
+    limit = live.server.limits.tcp_max_message_size
+    peer = Peer(live.tcp)
+    try:
+        huge = frame(Code.POST, token=b"\x0a", payload=b"\x00" * (limit + 10), content_format=60)
+        peer.sock.sendall(huge)
+        code, token, payload, raw = peer.read()
+        assert code == Code.REQUEST_ENTITY_TOO_LARGE and token == b"\x0a"
+        assert b"exceeds this endpoint's Max-Message-Size" in payload
+        peer.sock.sendall(frame(Code.GET, b"\x0b", ("weights",)))  # the connection still works
+        code, token, payload, _ = peer.read()
+        assert code == Code.CONTENT and token == b"\x0b"
+    finally:
+        peer.close()
+    still_serving()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\x0f" + b"\x00" * 20,                # token length 15
+    b"\x31\x02\x01\xf0",                    # reserved option nibble
+    b"\x11\x02\x01\xff",                    # payload marker without payload
+    bytes(range(256)),
+])
+def test_garbage_frames_end_only_that_connection(live, still_serving, garbage):
+    peer = Peer(live.tcp)
+    try:
+        peer.sock.sendall(garbage)
+        with pytest.raises((ConnectionError, OSError)):
+            while True:
+                code, *_ = peer.read()
+                assert code in (Code.ABORT, Code.CONTENT, Code.NOT_FOUND, Code.BAD_REQUEST, Code.CHANGED,
+                                Code.METHOD_NOT_ALLOWED)
+    finally:
+        peer.close()
+    still_serving()
+
+
+def test_request_before_csm_is_refused(live, still_serving):
+    host, port = live.tcp.split("://")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(frame(Code.GET, b"\x01", ("weights",)))
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    assert b"No CSM received" in data
+    still_serving()

@@ -1,0 +1,58 @@
+"""edgert.transport: every byte between devices (tensors, weights, control, health) over CoAP + CBOR.
+
+Map of the package (wire format: docs/PROTOCOL.md):
+
+- ``envelope.py``    :class:`Envelope`, :func:`encode_envelope`, :func:`decode_envelope`: the message
+- ``tensor.py``      RFC 8746 typed arrays in tag 40: zero-copy tensor encode/decode, dtype table
+- ``codec.py``       compression codecs ``none``/``fp16``/``int8``/``int4``/``topk``, :func:`get_codec`,
+  :func:`measure`
+- ``cbor.py``        the CBOR subset (zero-copy byte strings, strict limits) under both of the above
+- ``limits.py``      :class:`Limits`: declared size and structure caps (4.13 / 4.00)
+- ``errors.py``      :class:`TransportError` and the CoAP-coded errors (``NotFound`` = 4.04 ...)
+- ``message.py``     :class:`Request` (what handlers get) and :class:`Response` (what both sides return)
+- ``server.py``      :class:`TensorServer`, :class:`Observable`: resources, ``/.well-known/core``
+- ``client.py``      :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`,
+  :class:`Observation`
+- ``linkformat.py``  RFC 6690 link format: :class:`Link`, render, parse
+- ``coap_tcp.py``    CoAP over TCP with negotiated large messages (aiocoap transport subclass)
+- ``bench.py``       the transport benchmark behind ``edgert bench transport`` / tools/bench_transport.py
+"""
+
+from edgert.transport.client import ClientConfig, Observation, SyncClient, TensorClient
+from edgert.transport.codec import Codec, CodecStats, get_codec, measure
+from edgert.transport.envelope import (
+    CONTENT_FORMAT,
+    KINDS,
+    Envelope,
+    decode_envelope,
+    encode_envelope,
+)
+from edgert.transport.errors import (
+    BadRequest,
+    InternalServerError,
+    MalformedMessage,
+    MethodNotAllowed,
+    NotFound,
+    PeerUnreachable,
+    RequestTimeout,
+    ResponseError,
+    ServiceUnavailable,
+    TooLarge,
+    TransportError,
+    UnsupportedCodec,
+    UnsupportedContentFormat,
+)
+from edgert.transport.limits import DEFAULT_LIMITS, Limits
+from edgert.transport.linkformat import Link
+from edgert.transport.message import Request, Response
+from edgert.transport.server import Observable, TensorServer
+from edgert.transport.tensor import DTYPES, decode_tensor, encode_tensor
+
+__all__ = [
+    "BadRequest", "CONTENT_FORMAT", "ClientConfig", "Codec", "CodecStats", "DEFAULT_LIMITS", "DTYPES",
+    "Envelope", "InternalServerError", "KINDS", "Limits", "Link", "MalformedMessage", "MethodNotAllowed",
+    "NotFound", "Observable", "Observation", "PeerUnreachable", "Request", "RequestTimeout", "Response",
+    "ResponseError", "ServiceUnavailable", "SyncClient", "TensorClient", "TensorServer", "TooLarge",
+    "TransportError", "UnsupportedCodec", "UnsupportedContentFormat", "decode_envelope", "decode_tensor",
+    "encode_envelope", "encode_tensor", "get_codec", "measure",
+]

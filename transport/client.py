@@ -1,0 +1,468 @@
+"""The client side: requests with explicit timeouts and retries, observe, discovery, a thread wrapper.
+
+:class:`TensorClient` runs on an asyncio loop and keeps one aiocoap context with
+a CoAP-over-TCP pool (one connection per peer, reused) and a UDP endpoint::
+
+    async with TensorClient() as client:
+        await client.send("coap+tcp://10.0.0.2:5683", "stage/1/activations", env, codec="int8:axis=1")
+        weights = await client.fetch(url, "stage/1/weights")
+        async for note in client.observe(url, "health"):
+            ...
+
+Error responses raise the matching :mod:`~edgert.transport.errors` class
+(``NotFound``, ``BadRequest``...). Timeouts and network errors are retried
+``retries`` times with exponential backoff, then raise :class:`RequestTimeout`
+or :class:`PeerUnreachable`; 5.03 is retried too. A retried POST may arrive twice:
+receivers deduplicate on (run_id, step, microbatch, stage).
+
+Payloads beyond the peer's Max-Message-Size are sent as BERT blocks by aiocoap;
+between edgert endpoints every payload up to :attr:`Limits.max_payload_bytes`
+travels as one message (see docs/PROTOCOL.md, "Large messages").
+
+:class:`SyncClient` gives worker threads (ORT compute) a blocking API over a
+client that lives on a loop in another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiocoap
+import aiocoap.util
+from aiocoap import Message
+from aiocoap import error as coap_error
+from aiocoap.message import UndecidedRemote
+from aiocoap.messagemanager import MessageManager
+from aiocoap.numbers.codes import Code
+from aiocoap.numbers.constants import TransportTuning
+from aiocoap.protocol import BlockwiseRequest
+from aiocoap.tokenmanager import TokenManager
+from aiocoap.transports.udp6 import MessageInterfaceUDP6
+
+from edgert.transport import coap_tcp, linkformat
+from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, encode_envelope
+from edgert.transport.errors import MalformedMessage, PeerUnreachable, RequestTimeout
+from edgert.transport.limits import DEFAULT_LIMITS, HEAD_SLACK, Limits
+from edgert.transport.message import Response
+from edgert.transport.server import parse_url
+
+Payload = Envelope | bytes | bytearray | memoryview | None
+"""A request body: an envelope (encoded here) or raw bytes; a memoryview is sent without copying."""
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Timeouts and retries of a :class:`TensorClient`; every request may override timeout and retries."""
+
+    timeout: float = 10.0
+    """Seconds one attempt may take (connect + send + response)."""
+    retries: int = 2
+    """Further attempts after a timeout, a network error or 5.03."""
+    backoff: float = 0.05
+    """Seconds before the first retry; doubled for each further one."""
+    connect_timeout: float = 5.0
+    """Seconds a new TCP connection may take to deliver the peer's CSM."""
+    udp_ack_timeout: float = 2.0
+    """CoAP-over-UDP ACK_TIMEOUT (RFC 7252): first retransmission of a confirmable message."""
+    udp_max_retransmit: int = 4
+    """CoAP-over-UDP MAX_RETRANSMIT."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "connect_timeout", "udp_ack_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"ClientConfig.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.backoff, (int, float)) or self.backoff < 0:
+            raise ValueError(f"ClientConfig.backoff must be >= 0, got {self.backoff!r}")
+        for name in ("retries", "udp_max_retransmit"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ClientConfig.{name} must be an int >= 0, got {value!r}")
+
+
+class _UdpTuning(TransportTuning):
+    def __init__(self, ack_timeout: float, max_retransmit: int) -> None:
+        self.ACK_TIMEOUT = ack_timeout
+        self.MAX_RETRANSMIT = max_retransmit
+
+
+_RETRY_CODES = (Code.SERVICE_UNAVAILABLE,)
+
+
+class TensorClient:
+    """Async CoAP client for edgert peers; one instance per process (or per loop) is enough."""
+
+    def __init__(self, config: ClientConfig = ClientConfig(), limits: Limits = DEFAULT_LIMITS) -> None:
+        if not isinstance(config, ClientConfig):
+            raise TypeError(f"config must be a ClientConfig, got {type(config).__name__}")
+        self.config = config
+        self.limits = limits
+        self._context: aiocoap.Context | None = None
+        self._tcp: coap_tcp.LargeTCPClient | None = None
+        self._targets: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+        self._udp_remotes: dict[str, Any] = {}
+        self._udp_tuning = _UdpTuning(config.udp_ack_timeout, config.udp_max_retransmit)
+        self._starting: asyncio.Future | None = None
+
+    async def start(self) -> TensorClient:
+        """Create the aiocoap context (also done lazily by the first request)."""
+        if self._context is not None:
+            return self
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._create_context())
+        await asyncio.shield(self._starting)
+        return self
+
+    async def _create_context(self) -> None:
+        loop = asyncio.get_running_loop()
+        context = aiocoap.Context(loop=loop, loggername="coap")
+        tcp = await coap_tcp.add_tcp_client(context, max_message_size=self.limits.tcp_max_message_size)
+        tcp.csm_timeout = self.config.connect_timeout
+        self._tcp = tcp
+        tokens = TokenManager(context)
+        messages = MessageManager(tokens)
+        udp = await MessageInterfaceUDP6.create_client_transport_endpoint(messages, log=context.log, loop=loop)
+        messages.message_interface = udp
+        tokens.token_interface = messages
+        context.request_interfaces.append(tokens)
+        self._context = context
+
+    async def close(self) -> None:
+        """Release every connection; idempotent."""
+        context, self._context = self._context, None
+        self._starting = None
+        self._udp_remotes.clear()
+        if context is not None:
+            await context.shutdown()
+
+    async def __aenter__(self) -> TensorClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    # -- requests -------------------------------------------------------------
+
+    async def request(self, method: str, url: str, path: str = "", payload: Payload = None, *,
+                      codec: CodecChoice = None, content_format: int | None = None,
+                      query: Mapping[str, str] | None = None, timeout: float | None = None,
+                      retries: int | None = None, raise_for_status: bool = True) -> Response:
+        """Send one request to ``url`` + ``path`` and return the response.
+
+        ``payload`` may be an :class:`Envelope` (encoded with ``codec``, Content-Format
+        60) or raw bytes. Error codes raise unless ``raise_for_status=False``.
+        """
+        code = _method_code(method)
+        body, content_format = _body(payload, codec, content_format)
+        scheme, hostinfo, base = self._target(url)
+        uri_path = base + tuple(p for p in path.strip("/").split("/") if p) if path else base
+        uri_query = tuple(f"{k}={v}" for k, v in (query or {}).items())
+        timeout = self.config.timeout if timeout is None else timeout
+        retries = self.config.retries if retries is None else retries
+        if timeout <= 0 or retries < 0:
+            raise ValueError(f"timeout must be > 0 and retries >= 0, got timeout={timeout!r} retries={retries!r}")
+        await self.start()
+        delay = self.config.backoff
+        for attempt in range(retries + 1):
+            try:
+                response = await asyncio.wait_for(
+                    self._once(code, scheme, hostinfo, uri_path, uri_query, body, content_format), timeout)
+            except TimeoutError:
+                failure: Exception = RequestTimeout(
+                    f"{method} {url}/{path.strip('/')}: no response within {timeout} s "
+                    f"(attempt {attempt + 1} of {retries + 1})")
+            except coap_error.NetworkError as exc:
+                failure = PeerUnreachable(f"{method} {url}/{path.strip('/')}: {exc} "
+                                          f"(attempt {attempt + 1} of {retries + 1})")
+                failure.__cause__ = exc
+            else:
+                if response.code not in _RETRY_CODES or attempt == retries:
+                    return response.raise_for_status() if raise_for_status else response
+                failure = None  # type: ignore[assignment]
+            if attempt == retries:
+                raise failure
+            await asyncio.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _once(self, code: Code, scheme: str, hostinfo: str, uri_path: tuple[str, ...],
+                    uri_query: tuple[str, ...], body: bytes, content_format: int | None) -> Response:
+        message = self._message(code, scheme, hostinfo, uri_path, uri_query, body, content_format)
+        if scheme == "coap+tcp":
+            host, port = aiocoap.util.hostportsplit(hostinfo)
+            connection = await self._tcp.connection(host, port)
+            if len(body) + HEAD_SLACK <= connection.peer_max_message_size:
+                message.remote = connection
+                response = await connection.request(message)
+                if response.opt.block2 is not None and response.opt.block2.more:
+                    response = await BlockwiseRequest._complete_by_requesting_block2(
+                        self._context, message, response, self._context.log)
+                return Response.from_message(response)
+        response = await self._context.request(message).response
+        if scheme == "coap":
+            self._udp_remotes[hostinfo] = response.remote
+        return Response.from_message(response)
+
+    def _message(self, code: Code, scheme: str, hostinfo: str, uri_path: tuple[str, ...],
+                 uri_query: tuple[str, ...], body: bytes, content_format: int | None,
+                 observe: int | None = None) -> Message:
+        if self._context is None:
+            raise RuntimeError("client is closed")
+        tuning = self._udp_tuning if scheme == "coap" else None
+        if scheme == "coap" and isinstance(body, memoryview):
+            body = bytes(body)
+        message = Message(code=code, payload=body, transport_tuning=tuning)
+        message.opt.uri_path = uri_path
+        if uri_query:
+            message.opt.uri_query = uri_query
+        if content_format is not None:
+            message.opt.content_format = content_format
+        if observe is not None:
+            message.opt.observe = observe
+        remote = self._udp_remotes.get(hostinfo) if scheme == "coap" else None
+        message.remote = remote if remote is not None else UndecidedRemote(scheme, hostinfo)
+        return message
+
+    def _target(self, url: str) -> tuple[str, str, tuple[str, ...]]:
+        """(scheme, hostinfo, base path) of ``url``, parsed once and cached."""
+        target = self._targets.get(url)
+        if target is None:
+            scheme, host, port = parse_url(url)
+            hostinfo = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            path = url.split("://", 1)[1].partition("/")[2].partition("?")[0]
+            target = (scheme, hostinfo, tuple(p for p in path.split("/") if p))
+            self._targets[url] = target
+        return target
+
+    async def get(self, url: str, path: str = "", **kwargs: Any) -> Response:
+        """GET ``url``/``path``."""
+        return await self.request("GET", url, path, **kwargs)
+
+    async def post(self, url: str, path: str = "", payload: Payload = None, **kwargs: Any) -> Response:
+        """POST ``payload`` (envelope or bytes) to ``url``/``path``."""
+        return await self.request("POST", url, path, payload, **kwargs)
+
+    async def put(self, url: str, path: str = "", payload: Payload = None, **kwargs: Any) -> Response:
+        """PUT ``payload`` to ``url``/``path``."""
+        return await self.request("PUT", url, path, payload, **kwargs)
+
+    async def delete(self, url: str, path: str = "", **kwargs: Any) -> Response:
+        """DELETE ``url``/``path``."""
+        return await self.request("DELETE", url, path, **kwargs)
+
+    async def send(self, url: str, path: str, envelope: Envelope, *, codec: CodecChoice = None,
+                   **kwargs: Any) -> Response:
+        """POST an envelope (the runtime's main call: activations, gradients, weights, control)."""
+        if not isinstance(envelope, Envelope):
+            raise TypeError(f"send() takes an Envelope, got {type(envelope).__name__}")
+        return await self.request("POST", url, path, envelope, codec=codec, **kwargs)
+
+    async def fetch(self, url: str, path: str, **kwargs: Any) -> Envelope:
+        """GET an envelope and decode it with this client's limits."""
+        response = await self.request("GET", url, path, **kwargs)
+        return response.envelope(self.limits)
+
+    async def discover(self, url: str, **filters: str) -> list[linkformat.Link]:
+        """The peer's resources from ``/.well-known/core`` (filters like ``rt="edgert.health"``)."""
+        response = await self.request("GET", url, ".well-known/core", query=filters or None)
+        try:
+            return linkformat.parse(response.text)
+        except ValueError as exc:
+            raise MalformedMessage(f"{url}: bad link format: {exc}") from None
+
+    def observe(self, url: str, path: str, *, timeout: float | None = None) -> Observation:
+        """Observe (RFC 7641) ``url``/``path``: an async iterator of responses, first the current state."""
+        return Observation(self, url, path, self.config.timeout if timeout is None else timeout)
+
+
+class Observation:
+    """An observation in progress; iterate it for notifications, :meth:`cancel` to stop."""
+
+    def __init__(self, client: TensorClient, url: str, path: str, timeout: float) -> None:
+        self._client = client
+        self._url = url
+        self._path = path
+        self._timeout = timeout
+        self._request = None
+        self._iterator: AsyncIterator | None = None
+        self._registration: Message | None = None
+        self.cancelled = False
+
+    def __aiter__(self) -> Observation:
+        return self
+
+    async def __anext__(self) -> Response:
+        if self.cancelled:
+            raise StopAsyncIteration
+        if self._request is None:
+            return await self._register()
+        try:
+            message = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            self.cancelled = True
+            raise
+        except coap_error.NetworkError as exc:
+            self.cancelled = True
+            raise PeerUnreachable(f"observation of {self._url}/{self._path} ended: {exc}") from exc
+        return Response.from_message(message).raise_for_status()
+
+    async def _register(self) -> Response:
+        client = self._client
+        await client.start()
+        scheme, hostinfo, base = client._target(self._url)
+        uri_path = base + tuple(p for p in self._path.strip("/").split("/") if p)
+        message = client._message(Code.GET, scheme, hostinfo, uri_path, (), b"", None, observe=0)
+        self._request = client._context.request(message)
+        try:
+            first = await asyncio.wait_for(asyncio.shield(self._request.response), self._timeout)
+        except TimeoutError:
+            self.cancel()
+            raise RequestTimeout(f"observe {self._url}/{self._path}: no response within {self._timeout} s") from None
+        except coap_error.NetworkError as exc:
+            self.cancel()
+            raise PeerUnreachable(f"observe {self._url}/{self._path}: {exc}") from exc
+        response = Response.from_message(first)
+        if not response.ok or first.opt.observe is None:
+            self.cancel()
+        else:
+            self._registration = first
+            self._iterator = self._request.observation.__aiter__()
+        return response.raise_for_status()
+
+    def cancel(self) -> None:
+        """Stop receiving notifications and deregister (RFC 7641 section 3.6).
+
+        Over TCP this sends GET with Observe: 1 under the observation's token; over
+        UDP the next notification is answered with RST, which ends it as well.
+        """
+        if self.cancelled:
+            return
+        self.cancelled = True
+        self._deregister()
+        request, self._request = self._request, None
+        if request is None:
+            return
+        if not request.response.done():
+            request.response.cancel()
+        observation = request.observation
+        if observation is not None and not observation.cancelled:
+            observation.cancel()
+
+
+    def _deregister(self) -> None:
+        first, self._registration = self._registration, None
+        connection = None if first is None else first.remote
+        if not isinstance(connection, coap_tcp.LargeTcpConnection) or not connection.is_open:
+            return
+        message = Message(code=Code.GET)
+        message.opt.uri_path = first.request.opt.uri_path
+        message.opt.observe = 1
+        message.token = first.token
+        try:
+            connection._send_message(message)
+        except coap_error.NetworkError:
+            pass  # the connection is gone, and with it the observation
+
+
+class SyncClient:
+    """A blocking facade over a :class:`TensorClient` on an event loop in another thread.
+
+    ``SyncClient.start()`` runs its own loop thread; ``SyncClient(client, loop)``
+    wraps a client whose loop already runs elsewhere (the runtime's transport
+    loop). Calls must not come from that loop's own thread.
+    """
+
+    def __init__(self, client: TensorClient, loop: asyncio.AbstractEventLoop,
+                 thread: threading.Thread | None = None) -> None:
+        self.client = client
+        self.loop = loop
+        self._thread = thread
+
+    @classmethod
+    def start(cls, config: ClientConfig = ClientConfig(), limits: Limits = DEFAULT_LIMITS) -> SyncClient:
+        """A client on a fresh loop in a daemon thread; call :meth:`close` when done."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="edgert-transport", daemon=True)
+        thread.start()
+        client = TensorClient(config, limits)
+        sync = cls(client, loop, thread)
+        sync.call(client.start())
+        return sync
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the client's loop and wait for it; exceptions re-raise here."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            raise RuntimeError("SyncClient called on its own event loop (it would deadlock); await the TensorClient")
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def request(self, method: str, url: str, path: str = "", payload: Payload = None, **kwargs: Any) -> Response:
+        """Blocking :meth:`TensorClient.request`."""
+        return self.call(self.client.request(method, url, path, payload, **kwargs))
+
+    def get(self, url: str, path: str = "", **kwargs: Any) -> Response:
+        """Blocking :meth:`TensorClient.get`."""
+        return self.call(self.client.get(url, path, **kwargs))
+
+    def post(self, url: str, path: str = "", payload: Payload = None, **kwargs: Any) -> Response:
+        """Blocking :meth:`TensorClient.post`."""
+        return self.call(self.client.post(url, path, payload, **kwargs))
+
+    def send(self, url: str, path: str, envelope: Envelope, **kwargs: Any) -> Response:
+        """Blocking :meth:`TensorClient.send`."""
+        return self.call(self.client.send(url, path, envelope, **kwargs))
+
+    def fetch(self, url: str, path: str, **kwargs: Any) -> Envelope:
+        """Blocking :meth:`TensorClient.fetch`."""
+        return self.call(self.client.fetch(url, path, **kwargs))
+
+    def discover(self, url: str, **filters: str) -> list[linkformat.Link]:
+        """Blocking :meth:`TensorClient.discover`."""
+        return self.call(self.client.discover(url, **filters))
+
+    def close(self) -> None:
+        """Close the client; stop the loop thread if this object started it."""
+        try:
+            self.call(self.client.close())
+        finally:
+            if self._thread is not None:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout=5)
+                self.loop.close()
+                self._thread = None
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _method_code(method: str) -> Code:
+    code = {"GET": Code.GET, "POST": Code.POST, "PUT": Code.PUT, "DELETE": Code.DELETE,
+            "FETCH": Code.FETCH}.get(method.upper() if isinstance(method, str) else method)
+    if code is None:
+        raise ValueError(f"unsupported method {method!r} (GET, POST, PUT, DELETE, FETCH)")
+    return code
+
+
+def _body(payload: Payload, codec: CodecChoice, content_format: int | None) -> tuple[bytes, int | None]:
+    if payload is None:
+        return b"", content_format
+    if isinstance(payload, Envelope):
+        return encode_envelope(payload, codec), CONTENT_FORMAT if content_format is None else content_format
+    if codec is not None:
+        raise ValueError("codec applies to Envelope payloads only; raw bytes are sent as they are")
+    if isinstance(payload, (bytes, bytearray)):
+        return payload, content_format
+    if isinstance(payload, memoryview):  # referenced, not copied: keep it unchanged until the request ends
+        return payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload, content_format
+    raise TypeError(f"payload must be an Envelope, bytes or None, got {type(payload).__name__}")

@@ -1,0 +1,451 @@
+"""CoAP over TCP (RFC 8323) for tensors: aiocoap's TCP transport with large messages.
+
+aiocoap's own TCP transport caps messages at 1 MiB, reassembles them with a
+quadratic ``bytes +=`` spool, copies the payload once per option while parsing,
+cannot bind port 0 and binds with SO_REUSEPORT. This module subclasses it to:
+
+- advertise a configurable Max-Message-Size in the CSM, so a whole tensor
+  message travels as one CoAP message (peers with a smaller limit still get
+  BERT blocks from aiocoap's blockwise layer, which reads the peer's CSM);
+- receive each payload straight into its own ``bytearray`` (one copy, linear);
+- send the head and a large payload as two writes (no join copy);
+- answer an over-size request with 4.13 (and Size1) and skip its bytes instead of
+  aborting the connection;
+- bind port 0 (the OS picks) without SO_REUSEPORT, and wait for the server's CSM
+  before the first request so that request is not split against the 1152-byte
+  default;
+- offer a fast path for plain request/response exchanges (no Observe, no block
+  options): :meth:`LargeTcpConnection.request` on the client and a ``fast_server``
+  hook on the server bypass aiocoap's token manager, pipes and per-request tasks,
+  which cost about three quarters of a small round trip. Fast-path tokens are 8
+  bytes starting with 0xED, disjoint from aiocoap's short counter tokens, so both
+  paths share one connection. Everything else (observations, BERT, UDP) still goes
+  through aiocoap.
+
+aiocoap internals this package relies on (pin aiocoap to ``>=0.4.17,<0.5``; the
+tests in ``tests/transport/test_coap_tcp_framing.py`` and ``test_coap_endpoints.py``
+exercise each of them):
+
+- ``transports.tcp``: ``TcpConnection``, ``TCPServer``, ``TCPClient`` (``_pool``,
+  ``_spawn_protocol``, ``_dispatch_incoming``, ``_dispatch_error``), ``_encode_length``;
+- ``transports.rfc8323common``: ``_remote_settings``, ``_process_signaling``,
+  ``_send_initial_csm``, ``_my_max_message_size``, ``maximum_payload_size``;
+- ``TokenManager`` / ``MessageManager`` wiring and ``Context.request_interfaces``
+  (here, in ``server.py`` and ``client.py``);
+- ``MessageInterfaceUDP6._create_transport_endpoint`` (server.py: a UDP socket
+  without SO_REUSEPORT) and ``BlockwiseRequest._complete_by_requesting_block2``
+  (client.py: Block2 responses on the fast path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+from collections.abc import Callable
+
+from aiocoap import Message, util
+from aiocoap import error as coap_error
+from aiocoap.message import Direction
+from aiocoap.numbers.codes import Code
+from aiocoap.tokenmanager import TokenManager
+from aiocoap.transports import rfc8323common
+from aiocoap.transports.tcp import TCPClient, TcpConnection, TCPServer, _encode_length
+
+from edgert.transport.limits import HEAD_SLACK
+
+#: Payloads at or above this size are written separately from their head.
+_SPLIT_WRITE = 64 * 1024
+
+#: Seconds a new client connection waits for the server's CSM.
+CSM_TIMEOUT = 5.0
+
+#: First byte of fast-path tokens (aiocoap's own tokens are 1-3 bytes long in practice).
+FAST_TOKEN_PREFIX = 0xED
+
+_fast_tokens = itertools.count(1)
+
+FastServer = Callable[["LargeTcpConnection", Message], bool]
+"""``hook(connection, request) -> handled``: a server's fast path; False hands the request to aiocoap."""
+
+
+def _frame_length(head: bytearray | bytes) -> tuple[int, int, int] | None:
+    """(token offset, token length, bytes after the token) of the frame in ``head``, or None if incomplete."""
+    if not head:
+        return None
+    first = head[0]
+    nibble = first >> 4
+    tkl = first & 0x0F
+    if nibble < 13:
+        return 2, tkl, nibble
+    ext = {13: 1, 14: 2, 15: 4}[nibble]
+    if len(head) < 1 + ext:
+        return None
+    base = {13: 13, 14: 269, 15: 65805}[nibble]
+    return 2 + ext, tkl, int.from_bytes(head[1 : 1 + ext], "big") + base
+
+
+def _options_end(buf: bytearray | bytes, start: int, end: int) -> int | None:
+    """Index of the payload marker (or ``end`` if there is no payload) in ``buf[start:end]``.
+
+    Returns None if the options are not complete in ``buf`` yet; raises
+    :class:`aiocoap.error.UnparsableMessage` on a malformed option header.
+    """
+    pos = start
+    have = min(len(buf), end)
+    while pos < end:
+        if pos >= have:
+            return None
+        byte = buf[pos]
+        if byte == 0xFF:
+            if pos + 1 >= end:
+                raise coap_error.UnparsableMessage("payload marker without payload")
+            return pos
+        delta, length = byte >> 4, byte & 0x0F
+        if delta == 15 or length == 15:
+            raise coap_error.UnparsableMessage("reserved option nibble 15")
+        pos += 1
+        ext = (delta > 12) * (delta - 12) + (length > 12) * (length - 12)
+        if pos + ext > have:
+            return None if pos + ext <= end else _bad("option header beyond message end")
+        if delta > 12:
+            pos += delta - 12
+        if length == 13:
+            length = buf[pos] + 13
+            pos += 1
+        elif length == 14:
+            length = int.from_bytes(buf[pos : pos + 2], "big") + 269
+            pos += 2
+        pos += length
+        if pos > end:
+            raise coap_error.UnparsableMessage("option value beyond message end")
+    return end
+
+
+def _bad(text: str):
+    raise coap_error.UnparsableMessage(text)
+
+
+def serialize_head(msg: Message) -> bytes:
+    """The RFC 8323 frame of ``msg`` up to and including the payload marker (payload not included)."""
+    options = msg.opt.encode()
+    payload_len = len(msg.payload)
+    body_len = len(options) + (1 + payload_len if payload_len else 0)
+    nibble, ext = _encode_length(body_len)
+    token = msg.token
+    if len(token) > 8:
+        raise ValueError(f"token of {len(token)} bytes is longer than 8")
+    marker = b"\xff" if payload_len else b""
+    return b"".join((bytes(((nibble << 4) | len(token),)), ext, bytes((msg.code,)), token, options, marker))
+
+
+class LargeTcpConnection(TcpConnection):
+    """One RFC 8323 connection with a configurable Max-Message-Size and a linear receive path."""
+
+    def __init__(self, ctx, log, loop, *, is_server: bool, max_message_size: int,
+                 fast_server: FastServer | None = None) -> None:
+        super().__init__(ctx, log, loop, is_server=is_server)
+        self._my_max_message_size = max_message_size
+        self._fast_server = fast_server
+        self._pending: dict[bytes, asyncio.Future] = {}
+        self._head = bytearray()
+        self._fill: tuple[Message, bytearray] | None = None
+        self._filled = 0
+        self._discard = 0
+        self.csm_received: asyncio.Future = loop.create_future()
+
+    @property
+    def peer_max_message_size(self) -> int:
+        """The Max-Message-Size the peer announced in its CSM (1152 before it arrived)."""
+        return (self._remote_settings or {}).get("max-message-size", 1152)
+
+    def fits(self, message: Message) -> bool:
+        """Whether ``message`` travels as one message to this peer (by its Max-Message-Size, BERT or not)."""
+        size = len(message.payload)
+        if size + 64 <= min(self.peer_max_message_size, 1152):
+            return True
+        return len(serialize_head(message)) + size <= self.peer_max_message_size
+
+    @property
+    def is_open(self) -> bool:
+        """Whether messages can still be sent on this connection."""
+        return self._transport is not None and not self._transport.is_closing() and self._ctx is not None
+
+    async def request(self, message: Message) -> Message:
+        """Fast path: send ``message`` (a request fitting the peer's Max-Message-Size) and await its response."""
+        token = bytes((FAST_TOKEN_PREFIX,)) + next(_fast_tokens).to_bytes(7, "big")
+        message.token = token
+        future = self.loop.create_future()
+        self._pending[token] = future
+        try:
+            self._send_message(message)
+            return await future
+        finally:
+            self._pending.pop(token, None)
+
+    # -- sending ---------------------------------------------------------
+
+    def _send_message(self, msg: Message) -> None:
+        if self._transport is None or self._transport.is_closing():
+            raise coap_error.NetworkError(f"connection to {self.hostinfo} is closed")
+        head = serialize_head(msg)
+        payload = msg.payload
+        if len(payload) >= _SPLIT_WRITE:
+            self._transport.write(head)
+            # a memoryview keeps asyncio's partial-send path from slicing (copying) the rest
+            self._transport.write(memoryview(payload))
+        else:
+            self._transport.write(head + bytes(payload) if payload else head)
+
+    # -- receiving -------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if self._discard:
+                step = min(self._discard, len(view))
+                self._discard -= step
+                view = view[step:]
+                continue
+            if self._fill is not None:
+                msg, payload = self._fill
+                step = min(len(payload) - self._filled, len(view))
+                payload[self._filled : self._filled + step] = view[:step]
+                self._filled += step
+                view = view[step:]
+                if self._filled == len(payload):
+                    self._fill = None
+                    if not self._deliver(msg):
+                        return
+                continue
+            self._head += view
+            view = view[len(view) :]
+            if not self._parse_head():
+                return
+
+    def _parse_head(self) -> bool:
+        """Consume complete frames (or start a payload fill) from ``self._head``; False if aborted."""
+        while self._head:
+            frame = _frame_length(self._head)
+            if frame is None:
+                return True
+            token_at, tkl, rest = frame
+            total = token_at + tkl + rest
+            if tkl > 8:
+                self.abort("Overly long token")
+                return False
+            if total > self._my_max_message_size:
+                if len(self._head) < token_at + tkl:
+                    return True
+                if not self._refuse_oversize(token_at, tkl, total):
+                    return False
+                continue
+            opt_at = token_at + tkl
+            try:
+                opt_end = _options_end(self._head, opt_at, total)
+            except coap_error.UnparsableMessage as exc:
+                self.abort(f"Failed to parse message: {exc}")
+                return False
+            if opt_end is None:
+                return True
+            msg = Message(code=self._head[token_at - 1], _token=bytes(self._head[token_at:opt_at]))
+            try:
+                msg.opt.decode(bytes(self._head[opt_at:opt_end]))
+            except (coap_error.UnparsableMessage, ValueError) as exc:
+                self.abort(f"Failed to parse options: {exc}")
+                return False
+            msg.direction = Direction.INCOMING
+            msg.remote = self
+            if opt_end == total:
+                msg.payload = b""
+                del self._head[:total]
+                if not self._deliver(msg):
+                    return False
+                continue
+            start = opt_end + 1
+            payload = bytearray(total - start)
+            have = min(len(self._head), total) - start
+            payload[:have] = memoryview(self._head)[start : start + have]
+            msg.payload = payload
+            del self._head[: start + have]
+            if have == len(payload):
+                if not self._deliver(msg):
+                    return False
+                continue
+            self._fill = (msg, payload)
+            self._filled = have
+            return True
+        return True
+
+    def _refuse_oversize(self, token_at: int, tkl: int, total: int) -> bool:
+        """Answer an over-size request with 4.13 and skip its bytes; abort (False) on anything else."""
+        code = Code(self._head[token_at - 1])
+        if not code.is_request() or self._remote_settings is None:
+            self.abort(f"Overly large message announced ({total} bytes)")
+            return False
+        token = bytes(self._head[token_at : token_at + tkl])
+        answer = Message(
+            code=Code.REQUEST_ENTITY_TOO_LARGE,
+            payload=(
+                f"message of {total} bytes exceeds this endpoint's Max-Message-Size of "
+                f"{self._my_max_message_size} bytes"
+            ).encode(),
+        )
+        answer.token = token
+        answer.opt.size1 = max(0, self._my_max_message_size - HEAD_SLACK)
+        self._send_message(answer)
+        skip = min(total, len(self._head))
+        del self._head[:skip]
+        self._discard = total - skip
+        self.log.warning("Refused over-size request of %d bytes from %s", total, self.hostinfo)
+        return True
+
+    def _deliver(self, msg: Message) -> bool:
+        """Hand one complete message to signalling or the token manager; False if the connection ended."""
+        if msg.code.is_signalling():
+            try:
+                self._process_signaling(msg)
+            except rfc8323common.CloseConnection as exc:
+                self._ctx._dispatch_error(self, exc.args[0])
+                if self._transport is not None:
+                    self._transport.close()
+                return False
+            if self._remote_settings is not None and not self.csm_received.done():
+                self.csm_received.set_result(None)
+            return self._transport is not None and not self._transport.is_closing()
+        if self._remote_settings is None:
+            self.abort("No CSM received")
+            return False
+        if self._ctx is None:
+            return False
+        if msg.code.is_response():
+            future = self._pending.pop(msg.token, None)
+            if future is not None:
+                if not future.done():
+                    future.set_result(msg)
+                return True
+        elif self._fast_server is not None and self._fast_server(self, msg):
+            return True
+        self._ctx._dispatch_incoming(self, msg)
+        return True
+
+    def connection_lost(self, exc) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(coap_error.NetworkError(f"connection to {self.hostinfo} lost: {exc}"))
+        if not self.csm_received.done():
+            self.csm_received.set_exception(coap_error.NetworkError(f"connection lost before CSM: {exc}"))
+            self.csm_received.exception()  # mark retrieved
+        if self._ctx is not None:
+            super().connection_lost(exc)
+
+
+class LargeTCPServer(TCPServer):
+    """aiocoap's TCP server with port 0, no SO_REUSEPORT and :class:`LargeTcpConnection`."""
+
+    @classmethod
+    async def create_large_server(cls, host: str, port: int, tman, log, loop, *, max_message_size: int,
+                                  fast_server: FastServer | None = None):
+        self = cls()
+        self._tokenmanager = tman
+        self.log = log
+
+        def new_connection():
+            conn = LargeTcpConnection(self, log, loop, is_server=True, max_message_size=max_message_size,
+                                      fast_server=fast_server)
+            self._pool.add(conn)
+            return conn
+
+        try:
+            self.server = await loop.create_server(new_connection, host, port)
+        except socket.gaierror as exc:
+            raise coap_error.ResolutionError(f"no local bindable address for {host!r}") from exc
+        return self
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on (useful after binding port 0)."""
+        return self.server.sockets[0].getsockname()[1]
+
+
+class LargeTCPClient(TCPClient):
+    """aiocoap's TCP client pool using :class:`LargeTcpConnection` and waiting for the peer's CSM."""
+
+    max_message_size: int = 1024 * 1024
+    csm_timeout: float = CSM_TIMEOUT
+
+    async def _spawn_protocol(self, message):
+        if message.unresolved_remote is None:
+            host = message.opt.uri_host
+            port = message.opt.uri_port or self._default_port
+            if host is None:
+                raise ValueError("no host to send the message to (neither Uri-Host nor remote)")
+        else:
+            host, port = util.hostportsplit(message.unresolved_remote)
+            port = port or self._default_port
+        return await self.connection(host, port)
+
+    async def connection(self, host: str, port: int) -> LargeTcpConnection:
+        """The pooled connection to (host, port), connecting (and awaiting the CSM) if needed."""
+        key = (host, port)
+        conn = self._pool.get(key)
+        if conn is not None:
+            return conn
+        pending = self._connecting.get(key)
+        if pending is None:
+            pending = self._connecting[key] = asyncio.ensure_future(self._connect(host, port))
+            pending.add_done_callback(lambda _f, key=key: self._connecting.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _connect(self, host: str, port: int) -> LargeTcpConnection:
+        try:
+            _, conn = await self.loop.create_connection(
+                lambda: LargeTcpConnection(
+                    self, self.log, self.loop, is_server=False, max_message_size=self.max_message_size
+                ),
+                host,
+                port,
+            )
+        except socket.gaierror as exc:
+            raise coap_error.ResolutionError(f"no address found for {host!r}") from exc
+        except OSError as exc:
+            raise coap_error.NetworkError(f"connection to {host}:{port} failed: {exc}") from exc
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.csm_received), self.csm_timeout)
+        except TimeoutError:
+            conn.abort("No CSM received in time")
+            raise coap_error.NetworkError(f"{host}:{port} sent no CSM within {self.csm_timeout} s") from None
+        self._pool[(host, port)] = conn
+        return conn
+
+    @classmethod
+    async def create_large_client(cls, tman, log, loop, *, max_message_size: int):
+        self = await cls.create_client_transport(tman, log, loop)
+        self.max_message_size = max_message_size
+        self._connecting = {}
+        return self
+
+
+async def add_tcp_server(ctx, host: str, port: int, *, max_message_size: int,
+                         fast_server: FastServer | None = None) -> LargeTCPServer:
+    """Attach a listening :class:`LargeTCPServer` to an aiocoap ``Context``; returns it."""
+    tman = TokenManager(ctx)
+    server = await LargeTCPServer.create_large_server(
+        host, port, tman, ctx.log, ctx.loop, max_message_size=max_message_size, fast_server=fast_server
+    )
+    tman.token_interface = server
+    ctx.request_interfaces.append(tman)
+    return server
+
+
+async def add_tcp_client(ctx, *, max_message_size: int) -> LargeTCPClient:
+    """Attach a :class:`LargeTCPClient` (outgoing ``coap+tcp://``) to an aiocoap ``Context``."""
+    tman = TokenManager(ctx)
+    client = await LargeTCPClient.create_large_client(
+        tman, ctx.log, ctx.loop, max_message_size=max_message_size
+    )
+    tman.token_interface = client
+    ctx.request_interfaces.append(tman)
+    return client
+

@@ -1,0 +1,94 @@
+"""What handlers receive and what both sides return: :class:`Request` and :class:`Response`.
+
+Thin, typed views over aiocoap messages, so runtime code never touches CoAP options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiocoap import Message
+from aiocoap.numbers.codes import Code
+
+from edgert.transport.codec import Codec
+from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
+from edgert.transport.errors import MalformedMessage, ResponseError, error_from_response
+from edgert.transport.limits import DEFAULT_LIMITS, Limits
+
+#: Content-Format of text/plain; charset=utf-8.
+TEXT = 0
+
+
+@dataclass
+class Request:
+    """One incoming request as a handler sees it; ``envelope`` is set on envelope resources."""
+
+    method: str
+    path: str
+    payload: bytes | bytearray
+    content_format: int | None = None
+    query: dict[str, str] = field(default_factory=dict)
+    peer: str = ""
+    envelope: Envelope | None = None
+
+
+@dataclass
+class Response:
+    """A response: code, payload and Content-Format (None = no option, e.g. diagnostics)."""
+
+    code: Code = Code.CONTENT
+    payload: bytes | bytearray = b""
+    content_format: int | None = None
+    size1: int | None = None
+
+    @classmethod
+    def of(cls, env: Envelope, codec: str | Codec | None = None, code: Code = Code.CONTENT) -> Response:
+        """A response carrying ``env`` (Content-Format 60)."""
+        return cls(code=code, payload=encode_envelope(env, codec), content_format=CONTENT_FORMAT)
+
+    @classmethod
+    def from_message(cls, message: Message) -> Response:
+        """Wrap a received aiocoap message."""
+        return cls(code=Code(message.code), payload=message.payload,
+                   content_format=message.opt.content_format, size1=message.opt.size1)
+
+    def to_message(self) -> Message:
+        """The aiocoap message to send."""
+        message = Message(code=self.code, payload=self.payload)
+        if self.content_format is not None:
+            message.opt.content_format = self.content_format
+        if self.size1 is not None:
+            message.opt.size1 = self.size1
+        return message
+
+    @property
+    def ok(self) -> bool:
+        """True for 2.xx codes."""
+        return self.code.is_successful()
+
+    @property
+    def text(self) -> str:
+        """The payload as UTF-8 text (diagnostics, link format)."""
+        return bytes(self.payload).decode("utf-8", "replace")
+
+    def envelope(self, limits: Limits = DEFAULT_LIMITS) -> Envelope:
+        """Decode the payload as an envelope (raises on error codes and foreign Content-Formats)."""
+        self.raise_for_status()
+        if self.content_format not in (None, CONTENT_FORMAT):
+            raise MalformedMessage(f"response has Content-Format {self.content_format}, not {CONTENT_FORMAT}")
+        return decode_envelope(self.payload, limits)
+
+    def raise_for_status(self) -> Response:
+        """Raise the matching :class:`ResponseError` for a 4.xx/5.xx code; return self otherwise."""
+        if not self.code.is_successful():
+            raise error_from_response(self.code, self.payload, self.size1)
+        return self
+
+    def __repr__(self) -> str:
+        return f"<Response {self.code.dotted} {len(self.payload)} bytes cf={self.content_format}>"
+
+
+def error_response(error: ResponseError) -> Response:
+    """The response an error is sent as."""
+    message = error.to_message()
+    return Response(code=Code(message.code), payload=message.payload, size1=message.opt.size1)

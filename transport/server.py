@@ -1,0 +1,454 @@
+"""The server side: named resources over CoAP-over-TCP and CoAP-over-UDP, discoverable and robust.
+
+A :class:`TensorServer` binds one or more URLs (``coap+tcp://host:port``,
+``coap://host:port``; port 0 picks a free port, see :attr:`TensorServer.urls`),
+serves ``/.well-known/core`` (RFC 6690, with ``rt=`` types) and dispatches each
+request to an async handler registered per path and method::
+
+    server = TensorServer("coap+tcp://127.0.0.1:0", "coap://127.0.0.1:0")
+    server.add_resource("stage/1/activations", post=on_activations,
+                        rt="edgert.activations", kinds=("activations",))
+    health = server.add_observable("health", rt="edgert.health")
+    await server.start()
+    health.notify(Envelope("health", meta={"load": 0.3}))
+
+Every bad request is answered with its code and a diagnostic text and the server
+keeps serving: unknown path 4.04, wrong method 4.05, malformed CBOR or envelope
+4.00, over a size limit 4.13 (with Size1), foreign Content-Format or codec 4.15,
+handler exception 5.00.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import aiocoap
+from aiocoap import Message, interfaces, resource
+from aiocoap.blockwise import Block1Spool
+from aiocoap.messagemanager import MessageManager
+from aiocoap.numbers.codes import Code
+from aiocoap.tokenmanager import TokenManager
+from aiocoap.transports.udp6 import MessageInterfaceUDP6
+
+from edgert.transport import coap_tcp, linkformat
+from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
+from edgert.transport.errors import (
+    BadRequest,
+    InternalServerError,
+    MethodNotAllowed,
+    NotFound,
+    ResponseError,
+    TooLarge,
+    UnsupportedContentFormat,
+)
+from edgert.transport.limits import DEFAULT_LIMITS, Limits
+from edgert.transport.message import TEXT, Request, Response
+
+log = logging.getLogger("edgert.transport.server")
+
+HandlerResult = Response | Envelope | bytes | bytearray | str | None
+Handler = Callable[[Request], Awaitable[HandlerResult]]
+
+SCHEMES = ("coap+tcp", "coap")
+METHODS = ("GET", "POST", "PUT", "DELETE", "FETCH")
+WELL_KNOWN_CORE = ".well-known/core"
+
+
+class TensorServer:
+    """A CoAP server for edgert resources; start with :meth:`start`, stop with :meth:`shutdown`."""
+
+    def __init__(self, *binds: str, limits: Limits = DEFAULT_LIMITS) -> None:
+        if not binds:
+            raise ValueError("TensorServer needs at least one bind URL, e.g. 'coap+tcp://127.0.0.1:0'")
+        self._binds = [parse_url(url) for url in binds]
+        self.limits = limits
+        self._endpoints: dict[tuple[str, ...], _Endpoint] = {}
+        self._context: aiocoap.Context | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.urls: list[str] = []
+        self._add_endpoint(_Endpoint(self, WELL_KNOWN_CORE, {"GET": self._well_known_core}, rt=None,
+                                     envelope=False, kinds=None, title=None))
+
+    # -- resources ------------------------------------------------------------
+
+    def add_resource(self, path: str, *, get: Handler | None = None, post: Handler | None = None,
+                     put: Handler | None = None, delete: Handler | None = None,
+                     fetch: Handler | None = None, rt: str, envelope: bool = True,
+                     kinds: Iterable[str] | None = None, title: str | None = None) -> None:
+        """Serve ``path`` with one handler per method; other methods get 4.05.
+
+        With ``envelope=True`` a request payload must be an envelope (Content-Format
+        60 or none) and arrives decoded as ``request.envelope``; ``kinds`` restricts
+        the envelope kinds accepted. ``rt`` is the resource type in link format.
+        """
+        handlers = {m: h for m, h in (("GET", get), ("POST", post), ("PUT", put), ("DELETE", delete),
+                                      ("FETCH", fetch)) if h is not None}
+        if not handlers:
+            raise ValueError(f"resource {path!r} needs at least one handler (get/post/put/delete/fetch)")
+        self._add_endpoint(_Endpoint(self, path, handlers, rt=rt, envelope=envelope,
+                                     kinds=None if kinds is None else tuple(kinds), title=title))
+
+    def add_observable(self, path: str, *, rt: str, get: Handler | None = None,
+                       initial: HandlerResult = None, title: str | None = None) -> Observable:
+        """Serve an observable (RFC 7641) resource; returns the :class:`Observable` used to notify.
+
+        Without ``get`` the resource serves the latest value given to
+        :meth:`Observable.notify` (``initial`` until then).
+        """
+        endpoint = _ObservableEndpoint(self, path, {}, rt=rt, envelope=False, kinds=None, title=title)
+        observable = Observable(endpoint, initial)
+        endpoint.handlers["GET"] = get or observable._latest_value
+        self._add_endpoint(endpoint)
+        return observable
+
+    def remove_resource(self, path: str) -> None:
+        """Stop serving ``path`` (4.04 afterwards)."""
+        key = _split_path(path)
+        if key not in self._endpoints or path.strip("/") == WELL_KNOWN_CORE:
+            raise KeyError(f"no removable resource at {path!r}")
+        del self._endpoints[key]
+
+    def _add_endpoint(self, endpoint: _Endpoint) -> None:
+        key = _split_path(endpoint.path)
+        if key in self._endpoints:
+            raise ValueError(f"a resource is already registered at /{endpoint.path}")
+        self._endpoints[key] = endpoint
+
+    def links(self) -> list[linkformat.Link]:
+        """The link-format entries of all resources (what ``/.well-known/core`` serves)."""
+        return [endpoint.link() for key, endpoint in sorted(self._endpoints.items())
+                if endpoint.path != WELL_KNOWN_CORE]
+
+    async def _well_known_core(self, request: Request) -> Response:
+        filters = dict(request.query)
+        links = [link for link in self.links() if linkformat.matches(link, filters)]
+        return Response(payload=linkformat.render(links).encode(), content_format=linkformat.CONTENT_FORMAT)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> TensorServer:
+        """Bind every URL; afterwards :attr:`urls` holds them with the actual ports."""
+        if self._context is not None:
+            raise RuntimeError("server already started")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        context = aiocoap.Context(loop=loop, serversite=_Root(self), loggername="coap-server")
+        self._context = context
+        try:
+            for scheme, host, port in self._binds:
+                if scheme == "coap+tcp":
+                    server = await coap_tcp.add_tcp_server(
+                        context, host, port, max_message_size=self.limits.tcp_max_message_size,
+                        fast_server=self._fast_dispatch)
+                    bound = server.port
+                else:
+                    bound = await _add_udp_server(context, host, port)
+                self.urls.append(format_url(scheme, host, bound))
+        except BaseException:
+            await self.shutdown()
+            raise
+        log.info("serving %s", ", ".join(self.urls))
+        return self
+
+    def url(self, scheme: str = "coap+tcp") -> str:
+        """The first bound URL of ``scheme``."""
+        for url in self.urls:
+            if url.startswith(scheme + "://"):
+                return url
+        raise KeyError(f"server has no {scheme} binding (bound: {self.urls})")
+
+    async def shutdown(self) -> None:
+        """Close every listener and connection; idempotent."""
+        context, self._context = self._context, None
+        self.urls = []
+        for task in list(self._tasks):
+            task.cancel()
+        if context is not None:
+            await context.shutdown()
+
+    # -- TCP fast path ----------------------------------------------------------
+
+    def _fast_dispatch(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> bool:
+        """Serve a plain TCP request without aiocoap's per-request machinery; False = not eligible."""
+        options = message.opt
+        if (options.observe is not None or options.block1 is not None or options.block2 is not None
+                or options.no_response is not None or options.uri_path_abbrev is not None
+                or self._context is None):
+            return False
+        endpoint = self._endpoints.get(tuple(options.uri_path))
+        task = asyncio.get_running_loop().create_task(self._serve_fast(connection, message, endpoint))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _serve_fast(self, connection: coap_tcp.LargeTcpConnection, message: Message,
+                          endpoint: _Endpoint | None) -> None:
+        if endpoint is None:
+            response = _not_found(message.opt.uri_path).to_message()
+        else:
+            response = await endpoint.render(message)
+            if not connection.fits(response):
+                ready = response  # larger than the peer takes in one message: serve Block2 like aiocoap does
+
+                async def rendered() -> Message:
+                    return ready
+
+                response = await endpoint._block2.extract_or_insert(message, rendered)
+        response.token = message.token
+        if connection.is_open:
+            try:
+                connection._send_message(response)
+            except aiocoap.error.NetworkError:
+                log.info("peer %s left before its response", _peer(message))
+
+    async def __aenter__(self) -> TensorServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.shutdown()
+
+
+class Observable:
+    """Handle of an observable resource: :meth:`notify` sets its value and informs every observer."""
+
+    def __init__(self, endpoint: _ObservableEndpoint, initial: HandlerResult) -> None:
+        self._endpoint = endpoint
+        self._value = initial
+
+    async def _latest_value(self, request: Request) -> HandlerResult:
+        return self._value
+
+    def notify(self, value: HandlerResult = None) -> None:
+        """Replace the value (if given) and notify each observer; callable from any thread."""
+        loop = self._endpoint.server._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is not None and running is not loop:
+            loop.call_soon_threadsafe(self._notify_here, value)
+        else:
+            self._notify_here(value)
+
+    def _notify_here(self, value: HandlerResult) -> None:
+        if value is not None:
+            self._value = value
+        self._endpoint.updated_state()
+
+    @property
+    def observers(self) -> int:
+        """How many observations are registered right now."""
+        return len(self._endpoint._observations)
+
+
+class _CappedBlock1Spool(Block1Spool):
+    """aiocoap's Block1 reassembly, linear in time, refusing (4.13) transfers over the payload limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def feed_and_take(self, req: Message) -> Message:
+        block1 = req.opt.block1
+        if block1 is not None:
+            announced = req.opt.size1
+            if announced is not None and announced > self.limit:
+                raise TooLarge(f"announced payload of {announced} bytes exceeds {self.limit}", size1=self.limit)
+            if block1.start + len(req.payload) > self.limit:
+                raise TooLarge(f"blockwise payload exceeds {self.limit} bytes", size1=self.limit)
+            if block1.block_number == 0 and block1.more:
+                # aiocoap appends each block with `payload += block`: on bytes that is quadratic
+                req.payload = bytearray(req.payload)
+        return super().feed_and_take(req)
+
+
+class _Endpoint(resource.Resource):
+    """One path: checks method, size, Content-Format and envelope, then calls the handler."""
+
+    def __init__(self, server: TensorServer, path: str, handlers: dict[str, Handler], *, rt: str | None,
+                 envelope: bool, kinds: tuple[str, ...] | None, title: str | None) -> None:
+        super().__init__()
+        self.server = server
+        self.path = path.strip("/")
+        self.handlers = handlers
+        self.rt = rt
+        self.envelope = envelope
+        self.kinds = kinds
+        self.title = title
+        self._block1 = _CappedBlock1Spool(server.limits.max_payload_bytes)
+
+    def link(self) -> linkformat.Link:
+        """This resource's link-format entry."""
+        attrs: list[tuple[str, str | None]] = []
+        if self.rt:
+            attrs.append(("rt", self.rt))
+        if self.envelope:
+            attrs.append(("ct", str(CONTENT_FORMAT)))
+        if isinstance(self, _ObservableEndpoint):
+            attrs.append(("obs", None))
+        if self.title:
+            attrs.append(("title", self.title))
+        return linkformat.Link("/" + self.path, tuple(attrs))
+
+    async def render(self, message: Message) -> Message:
+        """Answer one (reassembled) request; never raises."""
+        method = Code(message.code)
+        try:
+            request = self._request(message, method)
+            result = await self.handlers[request.method](request)
+            return self._response(result, method)
+        except ResponseError as error:
+            log.info("%s /%s from %s: %s", method.name, self.path, _peer(message), error)
+            return error.to_message()
+        except Exception as error:  # noqa: BLE001  (a handler bug must not kill the server)
+            log.exception("handler for %s /%s failed", method.name, self.path)
+            return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
+
+    def _request(self, message: Message, method: Code) -> Request:
+        if not method.is_request() or method.name not in self.handlers:
+            allowed = ", ".join(sorted(self.handlers))
+            raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
+                                   f"/{self.path} (allowed: {allowed})")
+        limits = self.server.limits
+        payload = message.payload
+        if len(payload) > limits.max_payload_bytes:
+            raise TooLarge(f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}",
+                           size1=limits.max_payload_bytes)
+        content_format = message.opt.content_format
+        request = Request(method=method.name, path=self.path, payload=payload,
+                          content_format=None if content_format is None else int(content_format),
+                          query=_query(message), peer=_peer(message))
+        if self.envelope:
+            if request.content_format not in (None, CONTENT_FORMAT):
+                raise UnsupportedContentFormat(
+                    f"/{self.path} takes Content-Format {CONTENT_FORMAT} (application/cbor envelope), "
+                    f"got {request.content_format}")
+            if payload:
+                request.envelope = decode_envelope(payload, limits)
+                if self.kinds is not None and request.envelope.kind not in self.kinds:
+                    raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
+                                     f"got {request.envelope.kind!r}")
+            elif method.name in ("POST", "PUT"):
+                raise BadRequest(f"{method.name} /{self.path} needs an envelope payload")
+        return request
+
+    def _response(self, result: HandlerResult, method: Code) -> Message:
+        default = Code.CONTENT if method in (Code.GET, Code.FETCH) else (
+            Code.DELETED if method == Code.DELETE else Code.CHANGED)
+        if isinstance(result, Response):
+            return result.to_message()
+        if isinstance(result, Envelope):
+            message = Message(code=default, payload=encode_envelope(result))
+            message.opt.content_format = CONTENT_FORMAT
+            return message
+        if result is None:
+            return Message(code=default)
+        if isinstance(result, (bytes, bytearray, memoryview)):
+            return Message(code=default, payload=bytes(result) if isinstance(result, memoryview) else result)
+        if isinstance(result, str):
+            message = Message(code=default, payload=result.encode())
+            message.opt.content_format = TEXT
+            return message
+        raise TypeError(f"handler returned {type(result).__name__}; expected Response, Envelope, bytes, str or None")
+
+
+class _ObservableEndpoint(_Endpoint, resource.ObservableResource):
+    """An :class:`_Endpoint` that accepts RFC 7641 observations on GET."""
+
+
+class _Root(interfaces.Resource):
+    """Dispatches on the whole Uri-Path without copying the request (aiocoap's Site deep-copies options)."""
+
+    def __init__(self, server: TensorServer) -> None:
+        super().__init__()
+        self._server = server
+
+    async def needs_blockwise_assembly(self, request: Message) -> bool:
+        return False
+
+    async def render(self, request: Message) -> Message:
+        raise NotImplementedError("requests are dispatched by render_to_pipe")
+
+    async def render_to_pipe(self, pipe) -> None:
+        path = tuple(pipe.request.opt.uri_path)
+        endpoint = self._server._endpoints.get(path)
+        if endpoint is None:
+            pipe.add_response(_not_found(path).to_message(), is_last=True)
+            return
+        await endpoint.render_to_pipe(pipe)
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def parse_url(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of ``coap+tcp://host:port`` or ``coap://host:port``; raises ValueError."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"URL {url!r}: scheme must be one of {', '.join(SCHEMES)}")
+    if not parts.hostname:
+        raise ValueError(f"URL {url!r} has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"URL {url!r} has an invalid port") from None
+    return parts.scheme, parts.hostname, 5683 if port is None else port
+
+
+def format_url(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port`` with IPv6 literals in brackets."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+async def _add_udp_server(context: aiocoap.Context, host: str, port: int) -> int:
+    """Attach a udp6 server transport bound to (host, port) without SO_REUSEPORT; returns the port."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, family=socket.AF_INET6, type=socket.SOCK_DGRAM,
+                                   flags=socket.AI_V4MAPPED)
+    if not infos:
+        raise OSError(f"no address to bind for {host!r}")
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(infos[0][4])
+    except OSError:
+        sock.close()
+        raise
+    tokens = TokenManager(context)
+    messages = MessageManager(tokens)
+    transport = await MessageInterfaceUDP6._create_transport_endpoint(sock, messages, context.log, loop)
+    messages.message_interface = transport
+    tokens.token_interface = messages
+    context.request_interfaces.append(tokens)
+    return sock.getsockname()[1]
+
+
+def _not_found(path: Iterable[str]) -> NotFound:
+    return NotFound(f"no resource at /{'/'.join(path)}; GET /.well-known/core lists the resources")
+
+
+def _split_path(path: str) -> tuple[str, ...]:
+    if not isinstance(path, str) or not path.strip("/"):
+        raise ValueError(f"resource path must be a non-empty str like 'stage/1/activations', got {path!r}")
+    return tuple(path.strip("/").split("/"))
+
+
+def _query(message: Message) -> dict[str, str]:
+    result = {}
+    for item in message.opt.uri_query:
+        key, _, value = item.partition("=")
+        result[key] = value
+    return result
+
+
+def _peer(message: Message) -> str:
+    try:
+        return message.remote.hostinfo
+    except Exception:  # noqa: BLE001  (only used for logs)
+        return "?"
