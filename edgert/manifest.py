@@ -23,7 +23,9 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 BATCH = "N"
 
-ARTIFACT_ROLES = ("training", "eval", "infer", "optimizer", "checkpoint")
+ARTIFACT_ROLES = ("training", "backward", "eval", "infer", "optimizer", "checkpoint")
+# What a worker needs to train its stage (the rest serve ORT's own API and the host).
+RUNTIME_ROLES = ("backward", "eval", "infer", "checkpoint")
 
 
 @dataclass(frozen=True)

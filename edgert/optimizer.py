@@ -5,13 +5,16 @@ between workers (re-partitioning, replication). So the runtime steps the paramet
 itself, in place in ORT's buffers. AdamW follows ORT's ``AdamWOptimizer`` (adam_mode 1,
 the Hugging Face form) exactly; SGD adds PyTorch-style momentum and weight decay, which
 ORT's SGD lacks. ``edgert check`` compares both against ORT's optimizer models.
+
+Parameters, gradients and optimizer state live in flat float32 vectors with one slice per
+parameter (:class:`FlatParameters`), so a step is a dozen in-place vector operations
+however many parameters the stage has.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,40 +24,82 @@ from edgert.manifest import TrainingConfig
 StateDict = dict[str, dict[str, np.ndarray]]
 
 
-@dataclass
-class _Slot:
-    step: int
-    buffers: dict[str, np.ndarray]
+class FlatParameters:
+    """Named parameters stored as slices of one flat float32 vector.
+
+    The optimizer then steps every parameter with a handful of whole-vector operations, and
+    ORT reads each parameter through a contiguous view, without copies.
+    """
+
+    def __init__(self, values: Mapping[str, np.ndarray]):
+        self.names = list(values)
+        self.shapes = {name: tuple(np.shape(value)) for name, value in values.items()}
+        self.slices: dict[str, slice] = {}
+        offset = 0
+        for name in self.names:
+            size = int(np.prod(self.shapes[name], dtype=np.int64))
+            self.slices[name] = slice(offset, offset + size)
+            offset += size
+        self.flat = np.zeros(offset, np.float32)
+        self.views = {name: self.flat[self.slices[name]].reshape(self.shapes[name]) for name in self.names}
+        for name, value in values.items():
+            self.views[name][...] = value
+
+    def zeros(self) -> np.ndarray:
+        """A flat vector with this layout, zeroed (gradients, optimizer buffers)."""
+        return np.zeros_like(self.flat)
+
+    def piece(self, flat: np.ndarray, name: str) -> np.ndarray:
+        """``name``'s part of a flat vector with this layout, shaped like the parameter."""
+        return flat[self.slices[name]].reshape(self.shapes[name])
 
 
 class Optimizer:
-    """Base: per-parameter slots of named buffers plus a step count."""
+    """Base: named buffers laid out like the parameters, and one step count."""
 
     buffer_names: tuple[str, ...] = ()
 
     def __init__(self, config: TrainingConfig):
         self.config = config
         self.learning_rate = config.learning_rate
-        self._slots: dict[str, _Slot] = {}
+        self.steps = 0
+        self._layout: FlatParameters | None = None
+        self._buffers: dict[str, np.ndarray] = {}
+        self._scratch = np.zeros(0, np.float32)
+        self._pending: StateDict = {}  # loaded before the first step: applied once laid out
 
-    def step(self, parameters: Mapping[str, np.ndarray], gradients: Mapping[str, np.ndarray]) -> None:
-        """Update every parameter in place from its gradient."""
-        for name, parameter in parameters.items():
-            gradient = gradients[name]
-            slot = self._slots.get(name)
-            if slot is None:
-                slot = self._slots[name] = _Slot(0, {b: np.zeros_like(parameter) for b in self.buffer_names})
-            slot.step += 1
-            self._update(parameter, gradient, slot)
+    def step(self, parameters: FlatParameters, gradient: np.ndarray) -> None:
+        """Update ``parameters.flat`` in place from the flat ``gradient`` (which it may overwrite)."""
+        if not parameters.names:
+            return
+        if self._layout is not parameters:
+            self._adopt(parameters)
+        self.steps += 1
+        self._update(parameters.flat, gradient)
 
-    def _update(self, parameter: np.ndarray, gradient: np.ndarray, slot: _Slot) -> None:
+    def _adopt(self, parameters: FlatParameters) -> None:
+        known = {**self._laid_out_state(), **self._pending}
+        self._layout = parameters
+        self._buffers = {b: parameters.zeros() for b in self.buffer_names}
+        self._scratch = parameters.zeros()
+        self._pending = {}
+        self._restore(known)
+
+    def _update(self, parameter: np.ndarray, gradient: np.ndarray) -> None:
         raise NotImplementedError
+
+    def _laid_out_state(self) -> StateDict:
+        if self.steps == 0 or self._layout is None:
+            return {}
+        layout = self._layout
+        return {name: {"step": np.array(self.steps, dtype=np.int64),
+                       **{b: layout.piece(self._buffers[b], name).copy() for b in self.buffer_names}}
+                for name in layout.names}
 
     def state_dict(self, names: list[str] | None = None) -> StateDict:
         """Copies of the optimizer state of ``names`` (default: all), by parameter name."""
-        wanted = self._slots if names is None else {n: self._slots[n] for n in names if n in self._slots}
-        return {name: {"step": np.array(slot.step, dtype=np.int64), **{k: v.copy() for k, v in slot.buffers.items()}}
-                for name, slot in wanted.items()}
+        state = {**self._laid_out_state(), **self._pending}
+        return state if names is None else {n: state[n] for n in names if n in state}
 
     def load_state_dict(self, state: StateDict) -> None:
         """Replace the state of the parameters named in ``state`` (others are kept)."""
@@ -62,13 +107,25 @@ class Optimizer:
             missing = [b for b in (*self.buffer_names, "step") if b not in entry]
             if missing:
                 raise EdgertError(f"optimizer state for {name!r} lacks {', '.join(missing)}")
-            buffers = {b: np.array(entry[b], dtype=np.float32, copy=True) for b in self.buffer_names}
-            self._slots[name] = _Slot(int(entry["step"]), buffers)
+        steps = {int(entry["step"]) for entry in state.values()}
+        if len(steps) > 1:
+            raise EdgertError(f"optimizer states disagree on the step count: {sorted(steps)}")
+        if steps:
+            self.steps = steps.pop()
+            self._restore(state)
 
-    def forget(self, names: list[str]) -> None:
-        """Drop the state of parameters this stage no longer owns."""
-        for name in names:
-            self._slots.pop(name, None)
+    def _restore(self, state: StateDict) -> None:
+        layout = self._layout
+        for name, entry in state.items():
+            if layout is None or name not in layout.slices:
+                self._pending[name] = entry
+                continue
+            for b in self.buffer_names:
+                value = np.asarray(entry[b], np.float32)
+                if value.shape != layout.shapes[name]:
+                    raise EdgertError(f"optimizer state {name}#{b} has shape {list(value.shape)}, "
+                                      f"the parameter {list(layout.shapes[name])}")
+                layout.piece(self._buffers[b], name)[...] = value
 
 
 class AdamW(Optimizer):
@@ -76,20 +133,26 @@ class AdamW(Optimizer):
 
     buffer_names = ("exp_avg", "exp_avg_sq")
 
-    def _update(self, parameter: np.ndarray, gradient: np.ndarray, slot: _Slot) -> None:
+    def _update(self, parameter: np.ndarray, gradient: np.ndarray) -> None:
         beta1, beta2 = self.config.betas
         lr = self.learning_rate
-        exp_avg, exp_avg_sq = slot.buffers["exp_avg"], slot.buffers["exp_avg_sq"]
+        exp_avg, exp_avg_sq, scratch = self._buffers["exp_avg"], self._buffers["exp_avg_sq"], self._scratch
         exp_avg *= beta1
-        exp_avg += (1.0 - beta1) * gradient
+        np.multiply(gradient, 1.0 - beta1, out=scratch)
+        exp_avg += scratch
         exp_avg_sq *= beta2
-        exp_avg_sq += (1.0 - beta2) * gradient * gradient
-        step_size = lr * math.sqrt(1.0 - beta2 ** slot.step) / (1.0 - beta1 ** slot.step)
-        denominator = np.sqrt(exp_avg_sq)
-        denominator += self.config.eps
-        parameter -= step_size * exp_avg / denominator
+        np.multiply(gradient, gradient, out=scratch)
+        scratch *= 1.0 - beta2
+        exp_avg_sq += scratch
+        step_size = lr * math.sqrt(1.0 - beta2 ** self.steps) / (1.0 - beta1 ** self.steps)
+        np.sqrt(exp_avg_sq, out=scratch)
+        scratch += self.config.eps
+        np.divide(exp_avg, scratch, out=scratch)
+        scratch *= step_size
+        parameter -= scratch
         if self.config.weight_decay:
-            parameter -= (lr * self.config.weight_decay) * parameter
+            np.multiply(parameter, lr * self.config.weight_decay, out=scratch)
+            parameter -= scratch
 
 
 class SGD(Optimizer):
@@ -97,19 +160,21 @@ class SGD(Optimizer):
 
     buffer_names = ("momentum_buffer",)
 
-    def _update(self, parameter: np.ndarray, gradient: np.ndarray, slot: _Slot) -> None:
+    def _update(self, parameter: np.ndarray, gradient: np.ndarray) -> None:
         direction = gradient
         if self.config.weight_decay:
-            direction = direction + self.config.weight_decay * parameter
+            np.multiply(parameter, self.config.weight_decay, out=self._scratch)
+            direction += self._scratch
         if self.config.momentum:
-            buffer = slot.buffers["momentum_buffer"]
-            if slot.step == 1:
+            buffer = self._buffers["momentum_buffer"]
+            if self.steps == 1:
                 buffer[...] = direction
             else:
                 buffer *= self.config.momentum
                 buffer += direction
             direction = buffer
-        parameter -= self.learning_rate * direction
+        np.multiply(direction, self.learning_rate, out=self._scratch)
+        parameter -= self._scratch
 
 
 def make_optimizer(config: TrainingConfig) -> Optimizer:

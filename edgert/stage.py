@@ -1,10 +1,12 @@
-"""One pipeline stage over ORT Training: forward, forward+backward, optimizer step, state.
+"""One pipeline stage: forward, forward+backward, optimizer step, and its state by name.
 
-The forward runs the eval model (training-form normalisation, so it matches the forward
-the backward recomputes); the backward runs the training model, which recomputes the
-forward (activation checkpointing at stage granularity), accumulates parameter
-gradients in ORT's buffers and returns the gradients of the stage's inputs. Parameters
-are numpy views on ORT's own buffers, so the optimizer updates them without copies.
+The forward runs the eval graph (training-form normalisation, so it matches the forward
+the backward recomputes); the backward runs the gradient graph, which recomputes the
+forward (activation checkpointing at stage granularity) and returns the gradients of the
+parameters and of the stage's inputs. Both are ORT training graphs run in plain
+``InferenceSession``s: unlike ORT's ``Module``, ``InferenceSession.run`` releases the GIL,
+so the worker's transport keeps serving while a stage computes. The parameters are numpy
+arrays owned here, fed to ORT by reference and stepped in place by the optimizer.
 """
 
 from __future__ import annotations
@@ -17,18 +19,19 @@ from pathlib import Path
 import numpy as np
 
 from edgert.errors import StageError
-from edgert.manifest import BoundaryTensor, StageEntry, TrainingConfig
-from edgert.optimizer import Optimizer, StateDict, make_optimizer
+from edgert.manifest import BATCH, BoundaryTensor, StageEntry, TrainingConfig
+from edgert.optimizer import FlatParameters, Optimizer, StateDict, make_optimizer
 from edgert.ort_training import training_api
 
 LOSS_SCALE_INPUT = "loss_scale"
 SCALED_LOSS_OUTPUT = "scaled_loss"
 LOSS_OUTPUT = "loss"
+GRADIENT_SUFFIX = "_grad"
 
 
 @dataclass(frozen=True)
 class Threads:
-    """ORT intra-op threads for the forward (eval) and backward (training) sessions."""
+    """ORT intra-op threads for the forward (eval) and backward (gradient) sessions."""
 
     forward: int = 1
     backward: int = 1
@@ -43,50 +46,60 @@ class BackwardResult:
     input_gradients: dict[str, np.ndarray]
 
 
+def _session(path: Path, threads: int):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 class StageSession:
-    """A stage's ORT Training sessions, its parameters and its optimizer."""
+    """A stage's sessions, its parameters, accumulated gradients and optimizer."""
 
     def __init__(self, entry: StageEntry, plan_dir: str | Path, training: TrainingConfig,
                  threads: Threads = Threads()):
         self.entry = entry
         self.training = training
+        self.threads = threads
+        self.single_threaded = threads.forward == threads.backward == 1
         plan_dir = Path(plan_dir)
-        api = training_api()
-        self._state = api.CheckpointState.load_checkpoint(str(plan_dir / entry.artifact("checkpoint").path))
-        self._forward_module = self._module(api, plan_dir, threads.forward)
-        self._backward_module = (self._forward_module if threads.forward == threads.backward
-                                 else self._module(api, plan_dir, threads.backward))
-        self._eval_inputs = list(self._forward_module.eval().input_names())
-        self._train_inputs = list(self._backward_module.train().input_names())
-        self._train_outputs = list(self._backward_module.output_names())
+        self._plan_dir = plan_dir
         self._trainable = [p.name for p in entry.parameters if p.trainable]
         self._buffers = [p.name for p in entry.parameters if not p.trainable]
+        initial = self._load_checkpoint(plan_dir / entry.artifact("checkpoint").path)
+        self._flat = FlatParameters({n: initial[n] for n in self._trainable})
+        self._values = {**self._flat.views, **{n: initial[n] for n in self._buffers}}
+        self._gradient = self._flat.zeros()
+        self._accumulated = 0
+        self._forward = _session(plan_dir / entry.artifact("eval").path, threads.forward)
+        self._backward = _session(plan_dir / entry.artifact("backward").path, threads.backward)
+        self._infer = None
+        self._backward_outputs = [o.name for o in self._backward.get_outputs()]
         self._gradient_to_input = {v: k for k, v in entry.input_gradients.items()}
         self.optimizer: Optimizer = make_optimizer(training)
-        self._infer_session = None
-        self._plan_dir = plan_dir
         # Guards parameters and optimizer state: the optimizer writes them, /weights reads them.
         self.lock = threading.RLock()
 
-    def _module(self, api, plan_dir: Path, threads: int):
-        from onnxruntime import SessionOptions
-
-        options = SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        return api.Module(str(plan_dir / self.entry.artifact("training").path), self._state,
-                          str(plan_dir / self.entry.artifact("eval").path), session_options=options)
+    def _load_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
+        state = training_api().CheckpointState.load_checkpoint(str(path))
+        values = {}
+        for name in self._trainable + self._buffers:
+            if name not in state.parameters:
+                raise StageError(f"stage {self.entry.index}: checkpoint {path.name} lacks {name!r}")
+            values[name] = np.array(state.parameters[name].data, dtype=np.float32, copy=True, order="C")
+        return values
 
     # -- running ---------------------------------------------------------------------------
 
     def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the stage's forward on one micro-batch; returns its boundary outputs by name."""
-        feeds = self._feeds(self._eval_inputs, inputs, self.entry.inputs)
-        outputs = self._forward_module.eval()(*feeds)
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
-        return {t.name: value for t, value in zip(self.entry.outputs, outputs)}
+        feeds = self._checked_feeds(inputs, list(self.entry.inputs))
+        feeds.update(self._values)
+        names = [t.name for t in self.entry.outputs]
+        return dict(zip(names, self._forward.run(names, feeds)))
 
     def backward(self, inputs: Mapping[str, np.ndarray], output_gradients: Mapping[str, np.ndarray] | None = None,
                  labels: Mapping[str, np.ndarray] | None = None, loss_scale: float = 1.0) -> BackwardResult:
@@ -96,31 +109,38 @@ class StageSession:
         the labels and ``loss_scale`` (micro-batch size / batch size). Parameter gradients
         accumulate until :meth:`step`.
         """
-        values = dict(inputs)
         expected = list(self.entry.inputs)
+        values = dict(inputs)
         if self.entry.is_last:
             if labels is None:
                 raise StageError(f"stage {self.entry.index} is the last stage: backward needs labels")
             values.update(labels)
-            values[LOSS_SCALE_INPUT] = np.array(loss_scale, dtype=np.float32)
             expected += list(self.entry.labels)
         else:
-            gradients = output_gradients or {}
             for output, grad_input in self.entry.output_gradients.items():
-                if output not in gradients:
+                if output_gradients is None or output not in output_gradients:
                     raise StageError(f"stage {self.entry.index}: backward needs the gradient of {output!r}")
-                values[grad_input] = gradients[output]
-            expected += [BoundaryTensor(g, t.dtype, t.shape) for t in self.entry.outputs
-                         for o, g in self.entry.output_gradients.items() if o == t.name]
-        feeds = self._feeds(self._train_inputs, values, expected)
-        outputs = self._backward_module.train()(*feeds)
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
-        return self._collect(dict(zip(self._train_outputs, outputs)))
+                values[grad_input] = output_gradients[output]
+            expected += [BoundaryTensor(self.entry.output_gradients[t.name], t.dtype, t.shape)
+                         for t in self.entry.outputs if t.name in self.entry.output_gradients]
+        feeds = self._checked_feeds(values, expected)
+        if self.entry.is_last:
+            feeds[LOSS_SCALE_INPUT] = np.array(loss_scale, dtype=np.float32)
+        feeds.update(self._values)
+        named = dict(zip(self._backward_outputs, self._backward.run(self._backward_outputs, feeds)))
+        return self._collect(named)
 
     def _collect(self, named: dict[str, np.ndarray]) -> BackwardResult:
-        for output, buffer in self.entry.buffer_updates.items():
-            self._state.parameters[buffer].data = named[output]
+        with self.lock:
+            for output, buffer in self.entry.buffer_updates.items():
+                self._values[buffer][...] = named[output]
+            for name in self._trainable:
+                piece = self._flat.piece(self._gradient, name)
+                if self._accumulated:
+                    piece += named[name + GRADIENT_SUFFIX]
+                else:
+                    piece[...] = named[name + GRADIENT_SUFFIX]
+            self._accumulated += 1
         loss = float(named[LOSS_OUTPUT]) if LOSS_OUTPUT in named else None
         prediction = named.get(self.entry.outputs[0].name) if self.entry.is_last else None
         gradients = {self._gradient_to_input[k]: v for k, v in named.items() if k in self._gradient_to_input}
@@ -129,68 +149,52 @@ class StageSession:
     def step(self) -> None:
         """Apply the optimizer to the accumulated gradients, then clear them."""
         with self.lock:
-            self.optimizer.step(self._parameter_views(), self._gradient_views())
-            self._backward_module.lazy_reset_grad()
+            if not self._accumulated:
+                self._gradient[...] = 0
+            self.optimizer.step(self._flat, self._gradient)
+            self._accumulated = 0
 
     def zero_grad(self) -> None:
         """Discard the accumulated gradients."""
-        self._backward_module.lazy_reset_grad()
+        with self.lock:
+            self._accumulated = 0
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Forward with inference-form normalisation (running statistics), for evaluation."""
-        session = self._inference_session()
-        feeds = {t.name: self._checked(t, inputs) for t in self.entry.inputs}
-        feeds.update(self._parameter_views(include_buffers=True))
-        outputs = session.run([t.name for t in self.entry.outputs], feeds)
-        return {t.name: value for t, value in zip(self.entry.outputs, outputs)}
-
-    def _inference_session(self):
-        if self._infer_session is None:
-            import onnxruntime
-
-            options = onnxruntime.SessionOptions()
-            options.intra_op_num_threads = 1
-            options.log_severity_level = 3
-            path = self._plan_dir / self.entry.artifact("infer").path
-            self._infer_session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        return self._infer_session
+        if self._infer is None:
+            self._infer = _session(self._plan_dir / self.entry.artifact("infer").path, 1)
+        feeds = self._checked_feeds(inputs, list(self.entry.inputs))
+        feeds.update(self._values)
+        names = [t.name for t in self.entry.outputs]
+        return dict(zip(names, self._infer.run(names, feeds)))
 
     # -- state -----------------------------------------------------------------------------
 
-    def _parameter_views(self, include_buffers: bool = False) -> dict[str, np.ndarray]:
-        names = self._trainable + (self._buffers if include_buffers else [])
-        return {name: self._state.parameters[name].data for name in names}
-
-    def _gradient_views(self) -> dict[str, np.ndarray]:
-        gradients = {}
-        for name in self._trainable:
-            gradient = self._state.parameters[name].grad
-            gradients[name] = gradient if gradient is not None else np.zeros_like(self._state.parameters[name].data)
-        return gradients
-
     def parameters(self, include_buffers: bool = True) -> dict[str, np.ndarray]:
         """Copies of the stage's parameters (and running statistics), by name."""
+        names = self._trainable + (self._buffers if include_buffers else [])
         with self.lock:
-            return {k: v.copy() for k, v in self._parameter_views(include_buffers).items()}
+            return {name: self._values[name].copy() for name in names}
 
     def gradients(self) -> dict[str, np.ndarray]:
-        """Copies of the accumulated parameter gradients, by name."""
-        return {k: v.copy() for k, v in self._gradient_views().items()}
+        """Copies of the accumulated parameter gradients, by name (zeros before any backward)."""
+        with self.lock:
+            if not self._accumulated:
+                return {n: np.zeros_like(self._values[n]) for n in self._trainable}
+            return {n: self._flat.piece(self._gradient, n).copy() for n in self._trainable}
 
     def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite parameters or running statistics by name; unknown names are an error."""
-        known = set(self._trainable) | set(self._buffers)
-        unknown = [n for n in values if n not in known]
+        unknown = [n for n in values if n not in self._values]
         if unknown:
             raise StageError(f"stage {self.entry.index} has no parameter(s) {', '.join(unknown[:5])}")
+        for name, value in values.items():
+            if self._values[name].shape != tuple(np.shape(value)):
+                raise StageError(f"parameter {name!r}: shape {list(np.shape(value))} "
+                                 f"does not match {list(self._values[name].shape)}")
         with self.lock:
-            views = {name: self._state.parameters[name].data for name in values}
             for name, value in values.items():
-                if views[name].shape != tuple(np.shape(value)):
-                    raise StageError(f"parameter {name!r}: shape {list(np.shape(value))} "
-                                     f"does not match {list(views[name].shape)}")
-            for name, value in values.items():
-                views[name][...] = value
+                self._values[name][...] = value
 
     def optimizer_state(self) -> StateDict:
         with self.lock:
@@ -205,26 +209,24 @@ class StageSession:
 
     # -- checking inputs ---------------------------------------------------------------------
 
-    def _feeds(self, order: list[str], values: Mapping[str, np.ndarray], expected: list[BoundaryTensor]) -> list:
-        specs = {t.name: t for t in expected}
-        feeds = []
-        for name in order:
-            if name not in values:
-                raise StageError(f"stage {self.entry.index}: missing input {name!r}")
-            spec = specs.get(name)
-            feeds.append(self._checked(spec, values) if spec is not None else np.asarray(values[name]))
+    def _checked_feeds(self, values: Mapping[str, np.ndarray], expected: list[BoundaryTensor]) -> dict:
+        """The feeds for ``expected``, each checked for name, dtype, shape and one batch size."""
+        feeds = {}
+        batches: set[int] = set()
+        for spec in expected:
+            if spec.name not in values:
+                raise StageError(f"stage {self.entry.index}: missing input {spec.name!r}")
+            value = values[spec.name]
+            if not isinstance(value, np.ndarray) or value.dtype != np.dtype(spec.dtype):
+                got = getattr(value, "dtype", type(value).__name__)
+                raise StageError(f"stage {self.entry.index}: input {spec.name!r} has dtype {got}, "
+                                 f"expected {spec.dtype}")
+            if len(value.shape) != len(spec.shape) or any(
+                    d != BATCH and int(d) != n for d, n in zip(spec.shape, value.shape)):
+                raise StageError(f"stage {self.entry.index}: input {spec.name!r} has shape {list(value.shape)}, "
+                                 f"expected {list(spec.shape)}")
+            batches.update(n for d, n in zip(spec.shape, value.shape) if d == BATCH)
+            feeds[spec.name] = np.ascontiguousarray(value)
+        if len(batches) > 1:
+            raise StageError(f"stage {self.entry.index}: inputs disagree on the batch size: {sorted(batches)}")
         return feeds
-
-    def _checked(self, spec: BoundaryTensor, values: Mapping[str, np.ndarray]) -> np.ndarray:
-        if spec.name not in values:
-            raise StageError(f"stage {self.entry.index}: missing input {spec.name!r}")
-        value = values[spec.name]
-        if not isinstance(value, np.ndarray) or value.dtype != np.dtype(spec.dtype):
-            got = getattr(value, "dtype", type(value).__name__)
-            raise StageError(f"stage {self.entry.index}: input {spec.name!r} has dtype {got}, expected {spec.dtype}")
-        if len(value.shape) != len(spec.shape) or any(
-            d != "N" and int(d) != actual for d, actual in zip(spec.shape, value.shape)
-        ):
-            raise StageError(f"stage {self.entry.index}: input {spec.name!r} has shape {list(value.shape)}, "
-                             f"expected {list(spec.shape)}")
-        return np.ascontiguousarray(value)

@@ -1,9 +1,14 @@
 """Turning a stage's forward graph into ORT Training artifacts (DESIGN.md, stage semantics).
 
 Per stage, in ``stage<k>/``:
-- ``training.onnx``  forward + loss + backward; parameter gradients accumulate in ORT's
-  buffers; ``d(loss)/d(input)`` is exposed as ``<input>__dinput`` (the Module API hides
-  outputs ending in ``_grad``); BatchNorm running statistics come out as extra outputs;
+- ``training.onnx``  forward + loss + backward in ORT's Module format: parameter gradients
+  accumulate in ORT's buffers; ``d(loss)/d(input)`` is exposed as ``<input>__dinput`` (the
+  Module API hides outputs ending in ``_grad``); BatchNorm running statistics come out as
+  extra outputs. For ORT's own on-device training API and for ``edgert check``;
+- ``backward.onnx``  the same graph without the accumulation buffers: it returns the
+  parameter gradients (``<param>_grad``). The worker runs it in a plain InferenceSession,
+  which releases the GIL while it computes (ORT's Module holds it), so a worker keeps
+  answering its peers during a long backward;
 - ``eval.onnx``      the forward in training form (batch statistics), run for the pipeline's
   forward pass, so that it matches the forward the backward recomputes;
 - ``infer.onnx``     the forward in inference form (running statistics), parameters as
@@ -34,9 +39,11 @@ from edgert.manifest import BoundaryTensor, TrainingConfig
 from edgert.ort_training import gradient_builder, onnxblock, training_graph_utils
 
 INPUT_GRADIENT_SUFFIX = "__dinput"
-TRAINING, EVAL, INFER, OPTIMIZER, CHECKPOINT = "training", "eval", "infer", "optimizer", "checkpoint"
+TRAINING, BACKWARD, EVAL, INFER = "training", "backward", "eval", "infer"
+OPTIMIZER, CHECKPOINT = "optimizer", "checkpoint"
 FILE_NAMES = {
     TRAINING: "training.onnx",
+    BACKWARD: "backward.onnx",
     EVAL: "eval.onnx",
     INFER: "infer.onnx",
     OPTIMIZER: "optimizer.onnx",
@@ -80,6 +87,7 @@ def build_stage_artifacts(
     user_outputs = [SCALED_LOSS_OUTPUT] + ([LOSS_OUTPUT, stage.outputs[0].name] if stage.is_last else [])
     user_outputs += list(stage.buffer_updates)
     input_gradients = _arrange_outputs(gradient_model, user_outputs, stage, requires_grad)
+    _save(gradient_model, files[BACKWARD])
     training_graph_utils().build_gradient_accumulation_graph(gradient_model, set(stage.parameters))
     _save(gradient_model, files[TRAINING])
     _save(_eval_model(stage, state_names), files[EVAL])

@@ -20,7 +20,7 @@ from edgert.chain import StageChain
 from edgert.exporter.normalise import normalise
 from edgert.exporter.source import from_model_proto
 from edgert.manifest import BoundaryTensor, Manifest, load_manifest
-from edgert.optimizer import make_optimizer
+from edgert.optimizer import FlatParameters, make_optimizer
 from edgert.ort_training import native_stderr_silenced, training_api
 
 DEFAULT_TOLERANCE = 1e-4
@@ -182,6 +182,7 @@ class _Reference:
             )
         api = training_api()
         self._parameters = trainable.parameters
+        self._flat: FlatParameters | None = None
         self._state = api.CheckpointState.load_checkpoint(str(scratch / "checkpoint"))
         self._module = api.Module(str(scratch / "training_model.onnx"), self._state)
         self._module.train()
@@ -234,6 +235,13 @@ class _Reference:
         if self._optimizer is not None:
             self._optimizer.step()
         else:
-            params = {p: self._state.parameters[p].data for p in self._parameters}
-            self._runtime_optimizer.step(params, {p: self._state.parameters[p].grad for p in self._parameters})
+            views = {p: self._state.parameters[p].data for p in self._parameters}
+            if self._flat is None:
+                self._flat = FlatParameters(views)
+            for name, view in views.items():
+                self._flat.views[name][...] = view
+            gradient = np.concatenate([self._state.parameters[p].grad.reshape(-1) for p in self._flat.names])
+            self._runtime_optimizer.step(self._flat, gradient)
+            for name, view in views.items():
+                view[...] = self._flat.views[name]
         self._module.lazy_reset_grad()

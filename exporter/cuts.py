@@ -58,8 +58,22 @@ def resolve_cuts(analysis: ModelAnalysis, specs: list[str]) -> list[int]:
     return indices
 
 
+# A stage's training work in units of its forward FLOPs: every stage but the last runs its
+# forward, then the backward call recomputes it and computes weight and input gradients
+# (about 4x); the last stage's forward is folded into its backward (about 3x).
+PIPELINE_COST = {"other": 4, "last": 3}
+
+
+def stage_cost(flops: int, last: bool) -> int:
+    """Estimated training work of a stage whose blocks have ``flops`` forward FLOPs."""
+    return flops * PIPELINE_COST["last" if last else "other"]
+
+
 def balanced_cuts(analysis: ModelAnalysis, stages: int) -> list[int]:
-    """Cuts that minimise the largest stage's FLOPs (exact, by dynamic programming)."""
+    """Cuts that minimise the largest stage's training work (exact, by dynamic programming).
+
+    Work is :func:`stage_cost`: forward FLOPs weighted by what a stage does with them.
+    """
     blocks = len(analysis.blocks)
     if stages < 1:
         raise CutError(f"--stages must be at least 1 (got {stages})")
@@ -85,7 +99,7 @@ def balanced_cuts(analysis: ModelAnalysis, stages: int) -> list[int]:
             for i in range(s - 1, j):
                 if i > 0 and i not in legal:
                     continue
-                cost = max(best[s - 1][i], prefix[j] - prefix[i])
+                cost = max(best[s - 1][i], stage_cost(prefix[j] - prefix[i], last=s == stages))
                 if cost < best[s][j]:
                     best[s][j], choice[s][j] = cost, i
     if best[stages][blocks] == inf:

@@ -5,6 +5,8 @@ Each module here registers one family of commands on :data:`main`:
 - ``zoo.py``       ``edgert zoo list|build``          (host)
 - ``export.py``    ``edgert export|inspect|check``    (host)
 - ``bench.py``     ``edgert bench ...``               (host)
+- ``runtime.py``   ``edgert worker``, ``edgert train`` (the runtime; no host extra needed for worker)
+- ``demo.py``      ``edgert demo``                    (host)
 
 Host commands import ``edgert.exporter`` / ``edgert.models`` inside the command body, so a
 board without the ``host`` extra can still run the runtime commands.
@@ -37,7 +39,7 @@ def main() -> None:
 
 
 def _register_commands() -> None:
-    from edgert.cli import bench, export, zoo  # noqa: F401  (each registers itself on main)
+    from edgert.cli import bench, demo, export, runtime, zoo  # noqa: F401  (each registers itself on main)
 
 
 _register_commands()

@@ -116,6 +116,18 @@ def check_command(plan: Path, model: Path | None, steps: int, batch_size: int, s
         raise SystemExit(1)
 
 
+@main.command("merge")
+@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+def merge_command(run: Path, out_path: Path) -> None:
+    """Stitch RUN's trained stages back into one ONNX inference model."""
+    require_host_extra("merge")
+    from edgert.exporter.merge import merge_run
+
+    result = merge_run(run, out_path)
+    click.echo(f"wrote {out_path}: {result['replaced']} trained tensors from step {result['step'] + 1}")
+
+
 def _stage_table(manifest, plan_dir: Path) -> str:
     rows = []
     for stage in manifest.stages:

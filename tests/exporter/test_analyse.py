@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from edgert.exporter.analyse import analyse
-from edgert.exporter.cuts import balanced_cuts, resolve_cuts
+from edgert.exporter.cuts import balanced_cuts, resolve_cuts, stage_cost
 from edgert.exporter.errors import CutError
 from edgert.exporter.normalise import normalise
 from edgert.exporter.source import from_model_proto
@@ -73,7 +73,8 @@ def test_balanced_cuts_are_optimal_against_brute_force():
 
         def bottleneck(cut_list):
             bounds = [0, *cut_list, len(flops)]
-            return max(sum(flops[a:b]) for a, b in zip(bounds, bounds[1:]))
+            spans = list(zip(bounds, bounds[1:]))
+            return max(stage_cost(sum(flops[a:b]), last=k == len(spans) - 1) for k, (a, b) in enumerate(spans))
 
         best = min(bottleneck(list(c)) for c in itertools.combinations(range(1, len(flops)), stages - 1))
         assert bottleneck(cuts) == best

@@ -1,0 +1,61 @@
+"""``edgert demo``: the whole product on this machine, in one command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from edgert.cli import main
+from edgert.cli.host import require_host_extra
+
+
+def _say(text: str) -> None:
+    click.echo(text, err=True)
+
+
+@main.command("demo")
+@click.option("--model", default="cnn", show_default=True, help="Zoo model to build and train.")
+@click.option("--stages", type=int, default=4, show_default=True, help="Stages, one local worker each.")
+@click.option("--epochs", type=int, default=8, show_default=True)
+@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--micro-batches", type=int, default=4, show_default=True)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
+@click.option("--lr", "learning_rate", type=float, default=3e-3, show_default=True)
+@click.option("--slowdowns", default=None, help="Emulated slowdown per worker, e.g. 1,2,5,10.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"),
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
+def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_batches: int, schedule: str,
+                 learning_rate: float, slowdowns: str | None, out_dir: Path, as_json: bool) -> None:
+    """Build a zoo model, cut it into stages, train it on local workers, report."""
+    require_host_extra("demo")
+    from edgert.cli.runtime import print_summary
+    from edgert.coordinator import TrainConfig, train
+    from edgert.exporter.export import ExportOptions, export_plan
+    from edgert.localcluster import LocalCluster
+    from edgert.manifest import TrainingConfig
+    from edgert.models import build_model, get_model_spec, save_model
+
+    spec = get_model_spec(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = out_dir / f"{model}.onnx"
+    save_model(build_model(model), model_path)
+    _say(f"[1/3] built {model} -> {model_path}")
+    plan = out_dir / "plan"
+    training = TrainingConfig(learning_rate=learning_rate)
+    export_plan(model_path, plan, ExportOptions(stages=stages, training=training))
+    _say(f"[2/3] exported {stages} stages -> {plan}")
+    speeds = [s.strip() for s in slowdowns.split(",")] if slowdowns else None
+    if speeds is not None and len(speeds) != stages:
+        raise click.UsageError(f"--slowdowns gives {len(speeds)} values for {stages} stages")
+    with LocalCluster(stages, slowdowns=speeds, log_dir=out_dir / "worker-logs") as cluster:
+        _say(f"[3/3] training on {stages} local workers: {', '.join(cluster.urls)}")
+        config = TrainConfig(plan_dir=plan, workers=tuple(cluster.urls), out_dir=out_dir, data=spec.dataset,
+                             epochs=epochs, batch_size=batch_size, micro_batches=micro_batches, schedule=schedule,
+                             listen="coap+tcp://127.0.0.1:0")
+        summary = train(config)
+    print_summary(summary, as_json)
+    if not as_json:
+        click.echo(f"metrics: {out_dir / 'metrics.jsonl'}  trace (Perfetto): {out_dir / 'trace.json'}  "
+                   f"merge: edgert merge {out_dir} -o trained.onnx")

@@ -1,0 +1,111 @@
+"""``edgert worker`` and ``edgert train``: the runtime on a device and the central node."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from edgert.cli import main
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@main.command("worker")
+@click.option("--listen", default="coap+tcp://0.0.0.0:5701", show_default=True,
+              help="URL to serve on (port 0 picks a free port).")
+@click.option("--name", default=socket.gethostname(), show_default=True, help="Name shown in metrics and traces.")
+@click.option("--slowdown", default=None, help="Emulate a device F times slower (sleeps (F-1)x each compute).")
+@click.option("--slowdown-schedule", default=None, help='Slowdown by step, e.g. "0:1,30:8".')
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where received stage files go (default: a temporary folder).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
+def worker_command(listen: str, name: str, slowdown: str | None, slowdown_schedule: str | None,
+                   workdir: Path | None, log_level: str) -> None:
+    """Run the on-device runtime: serve CoAP, train whatever stage the coordinator assigns."""
+    from edgert.slowdown import SlowdownSchedule
+    from edgert.worker import Worker, WorkerConfig
+
+    _logging(log_level)
+    if slowdown and slowdown_schedule:
+        raise click.UsageError("give --slowdown or --slowdown-schedule, not both")
+    schedule = SlowdownSchedule.parse(slowdown_schedule or slowdown or "1")
+    config = WorkerConfig(listen=listen, name=name, slowdown=schedule, workdir=workdir)
+    asyncio.run(_serve(Worker(config)))
+
+
+async def _serve(worker) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    url = await worker.start()
+    click.echo(f"edgert worker {worker.config.name} listening on {url} (slowdown {worker.config.slowdown})")
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        await worker.shutdown()
+        click.echo(f"edgert worker {worker.config.name} stopped")
+
+
+@main.command("train")
+@click.argument("plan", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--workers", required=True, help="Worker URLs in stage order, comma-separated.")
+@click.option("--data", default="digits", show_default=True, help="digits, tokens, or a .npz (x, y[, x_test, y_test]).")
+@click.option("--epochs", type=int, default=5, show_default=True)
+@click.option("--steps", type=int, default=None, help="Stop after this many optimizer steps.")
+@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--micro-batches", type=int, default=4, show_default=True)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
+@click.option("--lr", "learning_rate", type=float, default=None, help="Override the plan's learning rate.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--codec", default="none", show_default=True, help="Codec for activations (none, fp16, int8, int4).")
+@click.option("--grad-codec", default="none", show_default=True, help="Codec for gradients (none, fp16, int8, topk:R).")
+@click.option("--threads", type=int, default=1, show_default=True, help="ORT intra-op threads per worker session.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/run"),
+              show_default=True, help="Run folder (metrics.jsonl, trace.json, checkpoints).")
+@click.option("--listen", default="coap+tcp://0.0.0.0:0", show_default=True, help="Where workers report to.")
+@click.option("--advertise", default=None, help="Host workers reach this coordinator at (default: auto).")
+@click.option("--step-timeout", type=float, default=120.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
+def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int | None, batch_size: int,
+                  micro_batches: int, schedule: str, learning_rate: float | None, seed: int, codec: str,
+                  grad_codec: str, threads: int, out_dir: Path, listen: str, advertise: str | None,
+                  step_timeout: float, as_json: bool, log_level: str) -> None:
+    """Train PLAN across WORKERS (one per stage) and record the run."""
+    from edgert.coordinator import TrainConfig, train
+
+    _logging(log_level)
+    config = TrainConfig(
+        plan_dir=plan, workers=tuple(w.strip() for w in workers.split(",") if w.strip()), out_dir=out_dir,
+        data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
+        schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
+        forward_threads=threads, backward_threads=threads, listen=listen, advertise=advertise,
+        step_timeout=step_timeout)
+    summary = train(config)
+    print_summary(summary, as_json)
+
+
+def print_summary(summary, as_json: bool) -> None:
+    """The end-of-run summary: a JSON object, or a few lines for people."""
+    from dataclasses import asdict
+
+    if as_json:
+        click.echo(json.dumps(asdict(summary)))
+        return
+    accuracy = "n/a" if summary.test_accuracy is None else f"{summary.test_accuracy:.4f}"
+    click.echo(f"run {summary.run_dir}: {summary.steps} steps ({summary.schedule}), "
+               f"{summary.samples_per_s:.1f} samples/s, test accuracy {accuracy}, test loss {summary.test_loss:.4f}")
+    for k, (name, share) in enumerate(zip(summary.workers, summary.stage_utilisation)):
+        click.echo(f"  stage {k} on {name}: {share * 100:.1f}% busy")

@@ -1,0 +1,240 @@
+"""Running a stage's schedule: the compute loop of a worker.
+
+For each window of work the executor walks its stage's action list (edgert.schedule):
+``F`` waits for the micro-batch's inputs, runs the forward and hands the outputs to the
+next stage; ``B`` waits for the gradients (or, on the last stage, the labels), runs the
+backward and hands the input gradients to the previous stage; ``S`` steps the optimizer.
+The last stage's forward is folded into its backward. Under the ``async`` schedule the
+weights a micro-batch's forward used are stashed and restored for its backward (PipeDream).
+Everything it does is timed, per step, for the coordinator's metrics and trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgert.inbox import Inbox
+from edgert.schedule import stage_actions
+from edgert.slowdown import SlowdownSchedule
+from edgert.stage import StageSession
+
+Key = tuple[int, int]  # (step, micro-batch index within the step)
+Sender = Callable[[Key, dict[str, np.ndarray]], None]
+StepCallback = Callable[["StepReport"], None]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a window: which step it belongs to, its size and loss scale."""
+
+    step: int
+    index: int
+    size: int
+    loss_scale: float
+
+    @property
+    def key(self) -> Key:
+        return (self.step, self.index)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Work the coordinator hands a stage: micro-batches under one schedule.
+
+    Synchronous schedules: one step (all micro-batches share ``step``). ``async``: each
+    micro-batch is its own step, and the pipeline drains only at the end of the window.
+    """
+
+    schedule: str
+    stages: int
+    microbatches: tuple[MicroBatch, ...]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({m.step for m in self.microbatches})
+
+
+@dataclass
+class StepReport:
+    """What one stage did in one optimizer step."""
+
+    step: int
+    stage: int
+    samples: int = 0
+    loss_sum: float = 0.0
+    correct: int | None = None
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    idle_ms: float = 0.0
+    send_ms: float = 0.0
+    slowdown_ms: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms + self.optimizer_ms
+
+
+class StageExecutor:
+    """Walks action lists for one stage, with its inbox and its links to the neighbours."""
+
+    def __init__(self, session: StageSession, stage: int, inbox: Inbox, send_forward: Sender,
+                 send_backward: Sender, slowdown: SlowdownSchedule = SlowdownSchedule(),
+                 wait_timeout: float | None = None):
+        self.session = session
+        self.stage = stage
+        self.inbox = inbox
+        self._send_forward = send_forward
+        self._send_backward = send_backward
+        self.slowdown = slowdown
+        self.wait_timeout = wait_timeout
+        self._held: dict[Key, dict[str, np.ndarray]] = {}
+        self._stash: dict[int, dict[str, np.ndarray]] = {}
+        self._stash_version: dict[Key, int] = {}
+        self._version = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.session.entry.is_last
+
+    def run_window(self, window: Window, on_step: StepCallback | None = None) -> list[StepReport]:
+        """Execute the window's actions; returns one report per optimizer step, in order.
+
+        ``on_step`` is called with each step's report as soon as its optimizer step is done.
+        """
+        batches = list(window.microbatches)
+        actions = stage_actions(window.schedule, self.stage, window.stages, len(batches))
+        reports = {step: StepReport(step=step, stage=self.stage, started=time.time()) for step in window.steps}
+        last_backward: MicroBatch | None = None
+        for action in actions:
+            if action.kind == "F":
+                self._forward(batches[action.microbatch], reports[batches[action.microbatch].step], window)
+            elif action.kind == "B":
+                last_backward = batches[action.microbatch]
+                self._backward(last_backward, reports[last_backward.step], window)
+            else:
+                step = last_backward.step if window.schedule == "async" and last_backward else window.steps[-1]
+                self._step(reports[step])
+                if on_step is not None:
+                    on_step(reports[step])
+        return [reports[step] for step in window.steps]
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def _forward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
+        inputs = self._take("act", batch, report)
+        self._held[batch.key] = inputs
+        if window.schedule == "async" and not self.is_last:
+            self._stash_weights(batch.key)
+        if self.is_last:
+            return  # folded into the backward, which recomputes the forward anyway
+        started = self._clock()
+        outputs = self.session.forward(inputs)
+        self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step)
+        self._send(self._send_forward, batch.key, outputs, report)
+
+    def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
+        inputs = self._held.pop(batch.key)
+        if self.is_last:
+            labels = self._take("labels", batch, report)
+            gradients = None
+        else:
+            labels = None
+            gradients = self._take("grad", batch, report)
+        restore = self._swap_in_stashed(batch.key) if window.schedule == "async" and not self.is_last else None
+        started = self._clock()
+        result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
+                                       loss_scale=batch.loss_scale)
+        if restore is not None:
+            self.session.load_parameters(restore)
+        self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step)
+        if self.is_last:
+            self._score(report, batch, result.loss, result.prediction, labels)
+        if not self.is_first and result.input_gradients:
+            self._send(self._send_backward, batch.key, result.input_gradients, report)
+
+    def _step(self, report: StepReport) -> None:
+        started = self._clock()
+        self.session.step()
+        self._version += 1
+        self._computed(report, "optimizer_ms", f"S{report.step}", started, report.step)
+        report.finished = time.time()
+
+    # -- weight stashing (async) -------------------------------------------------------------
+
+    def _stash_weights(self, key: Key) -> None:
+        if self._version not in self._stash:
+            self._stash[self._version] = self.session.parameters(include_buffers=False)
+        self._stash_version[key] = self._version
+
+    def _swap_in_stashed(self, key: Key) -> dict[str, np.ndarray] | None:
+        version = self._stash_version.pop(key)
+        weights = self._stash[version]
+        if version not in self._stash_version.values():
+            del self._stash[version]
+        if version == self._version:
+            return None
+        latest = self.session.parameters(include_buffers=False)
+        self.session.load_parameters(weights)
+        return latest
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _take(self, kind: str, batch: MicroBatch, report: StepReport):
+        value, waited = self.inbox.take((kind, batch.step, batch.index), self.wait_timeout)
+        if waited > 1e-4:
+            now = time.time()
+            report.spans.append((f"wait {kind}", now - waited, waited))
+        report.idle_ms += waited * 1000
+        return value
+
+    def _clock(self) -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
+    def _computed(self, report: StepReport, field_name: str, name: str, started: tuple[float, float],
+                  step: int) -> None:
+        elapsed = time.perf_counter() - started[0]
+        cpu = time.thread_time() - started[1] if self.session.single_threaded else None
+        slept = self.slowdown.emulate(step, elapsed, cpu)
+        total = elapsed + slept
+        setattr(report, field_name, getattr(report, field_name) + total * 1000)
+        report.slowdown_ms += slept * 1000
+        report.spans.append((name, time.time() - total, total))
+
+    @staticmethod
+    def _send(sender: Sender, key: Key, tensors: dict[str, np.ndarray], report: StepReport) -> None:
+        started = time.perf_counter()
+        sender(key, tensors)
+        report.send_ms += (time.perf_counter() - started) * 1000
+
+    @staticmethod
+    def _score(report: StepReport, batch: MicroBatch, loss: float | None, prediction, labels) -> None:
+        report.samples += batch.size
+        report.loss_sum += (loss or 0.0) * batch.size
+        label = next(iter(labels.values()))
+        if prediction is not None and np.issubdtype(label.dtype, np.integer) and prediction.ndim == label.ndim + 1:
+            report.correct = (report.correct or 0) + int(np.sum(prediction.argmax(-1) == label))
+
+    def reset(self) -> None:
+        """Forget held inputs and stashed weights (after a failure or a re-plan)."""
+        self._held.clear()
+        self._stash.clear()
+        self._stash_version.clear()
+
+
+def split_batch(step: int, batch_size: int, microbatches: int) -> list[MicroBatch]:
+    """Micro-batches of one synchronous step; sizes differ by at most one sample."""
+    bounds = np.linspace(0, batch_size, min(microbatches, batch_size) + 1).astype(int)
+    return [MicroBatch(step, i, int(b - a), float(b - a) / batch_size)
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]

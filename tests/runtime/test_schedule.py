@@ -1,0 +1,81 @@
+"""Schedules are pure functions: compared with literal tables, and simulated to prove they run."""
+
+import pytest
+
+from edgert.errors import EdgertError
+from edgert.schedule import max_in_flight, schedule_table, simulate, stage_actions
+
+
+def test_gpipe_table():
+    assert schedule_table("gpipe", 2, 3) == [
+        ["F0", "F1", "F2", "B0", "B1", "B2", "S"],
+        ["F0", "F1", "F2", "B0", "B1", "B2", "S"],
+    ]
+
+
+def test_1f1b_table():
+    assert schedule_table("1f1b", 3, 5) == [
+        ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "B2", "B3", "B4", "S"],  # warm-up 3
+        ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "B3", "B4", "S"],  # warm-up 2
+        ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "S"],  # last: forward folded
+    ]
+
+
+def test_1f1b_with_fewer_microbatches_than_stages():
+    assert schedule_table("1f1b", 4, 2) == [
+        ["F0", "F1", "B0", "B1", "S"],  # warm-up min(4, 2) = 2
+        ["F0", "F1", "B0", "B1", "S"],  # warm-up min(3, 2) = 2
+        ["F0", "F1", "B0", "B1", "S"],  # warm-up 2
+        ["F0", "B0", "F1", "B1", "S"],  # last stage: warm-up 0
+    ]
+
+
+def test_async_table_steps_after_every_backward():
+    assert schedule_table("async", 3, 4) == [
+        ["F0", "F1", "F2", "B0", "S", "F3", "B1", "S", "B2", "S", "B3", "S"],
+        ["F0", "F1", "B0", "S", "F2", "B1", "S", "F3", "B2", "S", "B3", "S"],
+        ["F0", "B0", "S", "F1", "B1", "S", "F2", "B2", "S", "F3", "B3", "S"],
+    ]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "async"])
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 5), (4, 8), (5, 3)])
+def test_every_microbatch_forwarded_and_backwarded_once_and_no_deadlock(kind, stages, microbatches):
+    for stage in range(stages):
+        actions = [str(a) for a in stage_actions(kind, stage, stages, microbatches)]
+        assert sorted(a for a in actions if a[0] == "F") == sorted(f"F{m}" for m in range(microbatches))
+        assert sorted(a for a in actions if a[0] == "B") == sorted(f"B{m}" for m in range(microbatches))
+    assert simulate(kind, [1.0] * stages, [2.0] * stages, microbatches) > 0
+
+
+def test_1f1b_bounds_memory_where_gpipe_does_not():
+    gpipe = [max_in_flight(stage_actions("gpipe", s, 4, 8)) for s in range(4)]
+    f1b = [max_in_flight(stage_actions("1f1b", s, 4, 8)) for s in range(4)]
+    assert gpipe == [8, 8, 8, 8]
+    assert f1b == [5, 4, 3, 1]  # stages - stage + 1, the last stage 1
+    asynchronous = [max_in_flight(stage_actions("async", s, 4, 8)) for s in range(4)]
+    assert asynchronous == [4, 3, 2, 1]  # PipeDream / FTPipeHD: stage s holds at most stages - s
+
+
+def test_simulated_bubble_matches_the_textbook_formula():
+    # equal stages, forward folded into the last stage's backward: 1F1B makespan is
+    # (M + S - 1) slots of (F + B) minus what the last stage saves.
+    stages, microbatches = 4, 8
+    makespan = simulate("1f1b", [1.0] * stages, [2.0] * stages, microbatches)
+    assert makespan == pytest.approx((microbatches + stages - 1) * 3.0, rel=0.15)
+
+
+def test_extra_warmup_forward_hides_link_latency():
+    forward, backward, links = [5.0] * 4, [12.0, 12.0, 12.0, 15.0], [1.0] * 3
+    assert simulate("1f1b", forward, backward, 8, links) < simulate("gpipe", forward, backward, 8, links)
+    assert simulate("1f1b", forward, backward, 8, links) <= 187.0  # textbook warm-up: 199 (see module doc)
+    assert simulate("gpipe", [1.0], [2.0], 4) == 8.0  # one stage: forwards folded, 4 backwards
+
+
+def test_bad_arguments():
+    with pytest.raises(EdgertError, match="unknown schedule 'zigzag'"):
+        stage_actions("zigzag", 0, 2, 2)
+    with pytest.raises(EdgertError, match="stage 3 is not in 0..1"):
+        stage_actions("1f1b", 3, 2, 2)
+    with pytest.raises(EdgertError, match="micro-batches must be at least 1"):
+        stage_actions("gpipe", 0, 2, 0)
