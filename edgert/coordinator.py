@@ -1,10 +1,12 @@
-"""``edgert train``: the central node. Assigns stages, streams data, collects and records.
+"""``edgert train``: the central node. Assigns stages, streams data, records, re-plans.
 
 The coordinator never carries activations or gradients: it sends each worker its stage,
-tells every worker which micro-batches to run under which schedule (``/window``), posts
-inputs to the first stage and labels to the last, and receives one report per stage per
-optimizer step on its own ``/report`` resource. At each epoch's end it fetches every
-stage's state, keeps it as the checkpoint, and evaluates it on the test set.
+tells every worker which steps to run under which schedule (``/run``), posts each step's
+inputs to the first stage and labels to the last (``/batch``), and receives one report per
+stage per optimizer step on its own ``/report`` resource. At each epoch's end it fetches
+every stage's state, keeps it as the checkpoint, and evaluates it on the test set. With
+re-planning on, it watches the stages' times and moves the cuts at a step boundary when
+a new plan pays for its pause (edgert.assignment, edgert.exporter.replanner).
 """
 
 from __future__ import annotations
@@ -23,26 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from edgert.assignment import LinkSettings, assign, migrate, with_learning_rate
 from edgert.data import Batch, batches, load_training_data
 from edgert.errors import EdgertError
 from edgert.evaluation import Evaluator
-from edgert.executor import StepReport
-from edgert.manifest import MANIFEST_NAME, RUNTIME_ROLES, Manifest, load_manifest
+from edgert.ledger import StepLedger
+from edgert.manifest import MANIFEST_NAME, Manifest, load_manifest
 from edgert.progress import Progress
-from edgert.protocol import (
-    BATCH,
-    HEALTH,
-    REPORT,
-    RUN,
-    STAGE,
-    STOP,
-    WEIGHTS,
-    Health,
-    Peers,
-    Segment,
-    StageAssignment,
-    reports_from_envelope,
-)
+from edgert.protocol import BATCH, HEALTH, REPORT, RUN, STOP, WEIGHTS, Health, Segment, reports_from_envelope
 from edgert.runlog import RunLog
 from edgert.schedule import SCHEDULES
 from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
@@ -81,6 +71,11 @@ class TrainConfig:
     listen: str = "coap+tcp://0.0.0.0:0"
     advertise: str | None = None
     progress: bool = True
+    replan: str = "off"  # off | auto
+    replan_every: int = 10
+    replan_threshold: float = 0.1
+    replan_at: tuple[tuple[int, tuple[int, ...] | None], ...] = ()  # forced: (before step, block cuts or None)
+    devices: Path | None = None
 
 
 @dataclass
@@ -99,6 +94,7 @@ class RunSummary:
     stage_utilisation: list[float] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)
     schedule: str = ""
+    replans: int = 0
 
 
 class Coordinator:
@@ -107,54 +103,55 @@ class Coordinator:
     def __init__(self, config: TrainConfig):
         self.config = config
         self._check_config()
+        self.plan_dir = config.plan_dir
         self.manifest: Manifest = load_manifest(config.plan_dir)
         if len(config.workers) != len(self.manifest.stages):
             raise TrainingError(f"the plan has {len(self.manifest.stages)} stages but {len(config.workers)} "
                                 f"worker(s) were given; give one --workers URL per stage")
-        self.stages = len(self.manifest.stages)
         self.run_id = config.out_dir.name or "run"
         self.dataset = load_training_data(config.data, self.manifest, config.seed)
         self.client = TensorClient(ClientConfig(timeout=30.0, retries=2, connect_timeout=config.connect_timeout))
         self.server = TensorServer(config.listen)
         self.server.add_resource(REPORT, post=self._on_report, rt="edgert.report", kinds=("report",))
+        self.order: list[str] = list(config.workers)  # worker URL of each stage
+        self.names: list[str] = []
+        self.known: dict[str, str] = {}  # worker URL -> name
         self.log: RunLog | None = None
-        self.worker_names: list[str] = []
-        self._reports: dict[int, dict[int, StepReport]] = {}
-        self._done: dict[int, asyncio.Event] = {}
-        self._failure: str | None = None
-        self._last_completion: float | None = None
-        self._step_meta: dict[int, Batch] = {}
-        self._busy_ms = [0.0] * self.stages
+        self.ledger: StepLedger | None = None
+        self.replanner = None
+        self.replans = 0
         self._train_seconds = 0.0
-        self._samples = 0
-        self._steps_done = 0
-        self._last_loss: float | None = None
         self._progress: Progress | None = None
+        self._settings: LinkSettings | None = None
 
     def _check_config(self) -> None:
         config = self.config
         if config.schedule not in SCHEDULES:
             raise TrainingError(f"unknown schedule {config.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        for name in ("epochs", "batch_size", "micro_batches", "lookahead"):
+        for name in ("epochs", "batch_size", "micro_batches", "lookahead", "replan_every"):
             if getattr(config, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(config, name)})")
         if config.steps is not None and config.steps < 1:
             raise TrainingError(f"--steps must be at least 1 (got {config.steps})")
         if config.micro_batches > config.batch_size:
             raise TrainingError(f"--micro-batches {config.micro_batches} exceeds --batch-size {config.batch_size}")
+        if config.replan not in ("off", "auto"):
+            raise TrainingError(f"--replan must be off or auto (got {config.replan!r})")
 
     # -- the run -----------------------------------------------------------------------------
 
     async def run(self) -> RunSummary:
         """Connect, assign, train, evaluate; always releases the workers."""
         self.log = RunLog(self.config.out_dir)
+        self.ledger = StepLedger(self.log, self._show_step)
         try:
             await self.server.start()
             await self._connect_workers()
             self._write_run_files()
+            if self.config.replan == "auto" or self.config.replan_at:
+                self.replanner = self._make_replanner()
             await self._assign_stages()
-            evaluator = Evaluator(self.config.plan_dir, self.manifest)
-            test = await self._train(evaluator)
+            test = await self._train()
             return self._summary(test)
         finally:
             await self._release_workers()
@@ -173,8 +170,9 @@ class Coordinator:
                 raise TrainingError(f"worker {url} is not reachable: {error}") from None
 
         healths = await asyncio.gather(*(probe(url) for url in self.config.workers))
-        self.worker_names = [h.name for h in healths]
-        log.info("workers: %s", ", ".join(f"{n} ({u})" for n, u in zip(self.worker_names, self.config.workers)))
+        self.known = {url: h.name for url, h in zip(self.config.workers, healths)}
+        self.names = [self.known[url] for url in self.order]
+        log.info("workers: %s", ", ".join(f"{n} ({u})" for u, n in self.known.items()))
 
     def _write_run_files(self) -> None:
         plan_copy = self.config.out_dir / "plan"
@@ -185,40 +183,37 @@ class Coordinator:
             if source.is_file():
                 shutil.copyfile(source, plan_copy / "source.onnx")
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self.config).items()}
-        self.log.write_json("run.json", {"run_id": self.run_id, "config": config, "workers": self.worker_names,
-                                         "plan": str(self.config.plan_dir.resolve()), "stages": self.stages})
+        self.log.write_json("run.json", {"run_id": self.run_id, "config": config, "workers": self.names,
+                                         "plan": str(self.config.plan_dir.resolve()),
+                                         "stages": len(self.manifest.stages)})
+
+    def _make_replanner(self):
+        try:
+            from edgert.exporter.replanner import Replanner
+        except ImportError as error:
+            raise TrainingError(f"re-planning needs the host extra (onnx): {error}") from None
+        return Replanner(self.config.plan_dir, self.manifest, self.config.out_dir / "stage-cache",
+                         devices=self.config.devices, threshold=self.config.replan_threshold,
+                         batch_size=self.config.batch_size, micro_batches=self.config.micro_batches,
+                         schedule=self.config.schedule)
 
     async def _assign_stages(self) -> None:
-        coordinator_url = self._advertised_url()
-        training = self.manifest.training
-        if self.config.learning_rate is not None:
-            training = dataclasses.replace(training, learning_rate=self.config.learning_rate)
-        urls = self.config.workers
-
-        async def assign(k: int) -> None:
-            entry = self.manifest.stages[k]
-            peers = Peers(previous=urls[k - 1] if k > 0 else None, next=urls[k + 1] if k + 1 < self.stages else None,
-                          coordinator=coordinator_url)
-            assignment = StageAssignment(
-                run_id=self.run_id, entry=entry, training=training, stages=self.stages, peers=peers,
-                forward_codec=self.config.forward_codec, backward_codec=self.config.backward_codec,
-                forward_threads=self.config.forward_threads, backward_threads=self.config.backward_threads,
-                wait_timeout=self.config.step_timeout)
-            files = {a.role: (self.config.plan_dir / a.path).read_bytes() for a in entry.artifacts
-                     if a.role in RUNTIME_ROLES}
-            try:
-                await self.client.request("PUT", urls[k], STAGE, assignment.to_envelope(files), timeout=120.0)
-            except TransportError as error:
-                raise TrainingError(f"worker {self.worker_names[k]} ({urls[k]}) refused stage {k}: {error}") from None
-
-        started = time.perf_counter()
-        await asyncio.gather(*(assign(k) for k in range(self.stages)))
-        self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=self.worker_names)
-
-    def _advertised_url(self) -> str:
         scheme, _, port = parse_url(self.server.urls[0])
         host = self.config.advertise or _local_address_towards(self.config.workers[0])
-        return f"{scheme}://{host}:{port}"
+        self._settings = LinkSettings(
+            run_id=self.run_id, coordinator_url=f"{scheme}://{host}:{port}",
+            training=with_learning_rate(self.manifest.training, self.config.learning_rate),
+            forward_codec=self.config.forward_codec, backward_codec=self.config.backward_codec,
+            forward_threads=self.config.forward_threads, backward_threads=self.config.backward_threads,
+            wait_timeout=self.config.step_timeout)
+        started = time.perf_counter()
+        try:
+            await assign(self.client, self.manifest, self.plan_dir, self.order, self.names, self._settings)
+        except EdgertError as error:
+            raise TrainingError(str(error)) from None
+        self.ledger.configure(self.names)
+        self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=self.names,
+                       cuts=list(self.manifest.cuts))
 
     async def _release_workers(self) -> None:
         async def stop(url: str) -> None:
@@ -227,38 +222,57 @@ class Coordinator:
             except (TransportError, OSError):
                 pass
 
-        if self.worker_names:
-            await asyncio.gather(*(stop(url) for url in self.config.workers))
+        if self.known:
+            await asyncio.gather(*(stop(url) for url in self.known))
 
     # -- training ----------------------------------------------------------------------------
 
-    async def _train(self, evaluator: Evaluator) -> tuple[float | None, float | None]:
+    async def _train(self) -> tuple[float | None, float | None]:
         config = self.config
         plan = list(batches(len(self.dataset.x_train), config.batch_size, config.epochs, config.seed, config.steps))
         if not plan:
             raise TrainingError("no training step to run: the data set is smaller than one batch")
         self._progress = Progress(len(plan), enabled=config.progress)
+        evaluator = Evaluator(self.plan_dir, self.manifest)
         test: tuple[float | None, float | None] = (None, None)
-        by_epoch: dict[int, list[Batch]] = {}
-        for batch in plan:
-            by_epoch.setdefault(batch.epoch, []).append(batch)
-        for epoch, epoch_batches in by_epoch.items():
+        for chunk, ends_epoch in self._chunks(plan):
             started = time.perf_counter()
-            await self._run_segment(epoch_batches)
+            await self._run_segment(chunk)
             self._train_seconds += time.perf_counter() - started
-            test = await self._evaluate(evaluator, epoch, epoch_batches[-1].step)
+            if ends_epoch:
+                test = await self._evaluate(evaluator, chunk[-1].epoch, chunk[-1].step)
+            if chunk[-1] is not plan[-1] and await self._maybe_replan(chunk[-1].step + 1):
+                evaluator = Evaluator(self.plan_dir, self.manifest)
+            self.ledger.reset_timing()
         return test
+
+    def _chunks(self, plan: list[Batch]) -> list[tuple[list[Batch], bool]]:
+        """Segments: an epoch, cut further where a re-plan may happen."""
+        forced = {step for step, _ in self.config.replan_at}
+        chunks: list[tuple[list[Batch], bool]] = []
+        current: list[Batch] = []
+        for k, batch in enumerate(plan):
+            current.append(batch)
+            following = plan[k + 1] if k + 1 < len(plan) else None
+            ends_epoch = following is None or following.epoch != batch.epoch
+            boundary = following is not None and (
+                following.step in forced
+                or (self.config.replan == "auto" and following.step % self.config.replan_every == 0))
+            if ends_epoch or boundary:
+                chunks.append((current, ends_epoch))
+                current = []
+        return chunks
 
     async def _run_segment(self, plan: list[Batch]) -> None:
         """Tell every worker to run these steps, then feed them, ``lookahead`` steps ahead."""
         config = self.config
-        segment = Segment(config.schedule, self.stages, plan[0].step, len(plan), config.batch_size,
-                          config.micro_batches)
+        stages = len(self.manifest.stages)
+        segment = Segment(config.schedule, stages, plan[0].step, len(plan), config.batch_size, config.micro_batches)
         for batch in plan:
-            self._expect(batch)
+            self.ledger.expect(batch.step, batch.epoch, len(batch.indices))
         envelope = segment.to_envelope(self.run_id)
-        await asyncio.gather(*(self.client.send(url, RUN, envelope) for url in config.workers))
-        ahead = config.lookahead + (self.stages if config.schedule == "async" else 0)
+        await asyncio.gather(*(self.client.send(url, RUN, envelope) for url in self.order))
+        ahead = config.lookahead + (stages if config.schedule == "async" else 0)
         in_flight: deque[int] = deque()
         for batch in plan:
             while len(in_flight) >= ahead:
@@ -268,84 +282,83 @@ class Coordinator:
         for step in in_flight:
             await self._wait_step(step)
 
-    def _expect(self, batch: Batch) -> None:
-        self._step_meta[batch.step] = batch
-        self._reports[batch.step] = {}
-        self._done[batch.step] = asyncio.Event()
-
     async def _send_batch(self, batch: Batch) -> None:
         """The step's inputs to the first stage and labels to the last: one message each (one in all)."""
         inputs = {self.manifest.model_input[0].name: np.ascontiguousarray(self.dataset.x_train[batch.indices])}
         labels = {self.manifest.labels[0].name: np.ascontiguousarray(self.dataset.y_train[batch.indices])}
-        first, last = self.config.workers[0], self.config.workers[-1]
-        messages = [(first, inputs), (last, labels)] if self.stages > 1 else [(first, {**inputs, **labels})]
+        first, last = self.order[0], self.order[-1]
+        messages = [(first, inputs), (last, labels)] if len(self.order) > 1 else [(first, {**inputs, **labels})]
         await asyncio.gather(*(self.client.send(url, BATCH, Envelope(kind="batch", run_id=self.run_id,
                                                                      step=batch.step, tensors=tensors))
                                for url, tensors in messages))
 
     async def _wait_step(self, step: int) -> None:
-        event = self._done.get(step)
-        if event is None:  # already complete
-            return
-        try:
-            await asyncio.wait_for(event.wait(), self.config.step_timeout)
-        except TimeoutError:
-            missing = [k for k in range(self.stages) if k not in self._reports.get(step, {})]
-            names = ", ".join(f"stage {k} ({self.worker_names[k]})" for k in missing)
-            timeout = self.config.step_timeout
-            raise TrainingError(f"step {step}: no report from {names} within {timeout:.0f} s") from None
-        if self._failure:
-            raise TrainingError(self._failure)
+        if not await self.ledger.wait(step, self.config.step_timeout):
+            names = ", ".join(f"stage {k} ({self.names[k]})" for k in self.ledger.missing(step))
+            raise TrainingError(f"step {step}: no report from {names} within {self.config.step_timeout:.0f} s")
+        if self.ledger.failure:
+            raise TrainingError(self.ledger.failure)
 
     async def _on_report(self, request: Request) -> None:
         envelope = request.envelope
-        if envelope.run_id != self.run_id:
+        if envelope.run_id != self.run_id or self.ledger is None:
             return
         if "failed" in envelope.meta:
-            self._failure = (f"stage {envelope.stage} ({envelope.meta.get('worker', '?')}) failed: "
+            self.ledger.fail(f"stage {envelope.stage} ({envelope.meta.get('worker', '?')}) failed: "
                              f"{envelope.meta['failed']}")
-            for event in self._done.values():
-                event.set()
             return
         reports, worker = reports_from_envelope(envelope)
         for report in reports:
-            received = self._reports.get(report.step)
-            if received is None or report.stage in received:
-                continue  # a retried delivery, or a step that is already complete
-            received[report.stage] = report
-            self.log.spans(report.stage, worker, report.spans)
-            if len(received) == self.stages:
-                self._step_complete(report.step, received)
+            self.ledger.add(report, worker)
 
-    def _step_complete(self, step: int, reports: dict[int, StepReport]) -> None:
-        batch = self._step_meta.pop(step)
-        last = reports[self.stages - 1]
-        finished = max(r.finished for r in reports.values())
-        started = self._last_completion or min(r.started for r in reports.values())
-        elapsed = max(finished - started, 1e-9)
-        self._last_completion = finished
-        loss = last.loss_sum / last.samples if last.samples else None
-        accuracy = last.correct / last.samples if last.correct is not None and last.samples else None
-        self._samples += len(batch.indices)
-        self._last_loss = loss
-        stages = []
-        for k in range(self.stages):
-            r = reports[k]
-            self._busy_ms[k] += r.compute_ms
-            stages.append({"stage": k, "worker": self.worker_names[k], "forward_ms": round(r.forward_ms, 3),
-                           "backward_ms": round(r.backward_ms, 3), "optimizer_ms": round(r.optimizer_ms, 3),
-                           "idle_ms": round(r.idle_ms, 3), "transfer_ms": round(r.send_ms, 3),
-                           "slowdown_ms": round(r.slowdown_ms, 3)})
-        samples_per_s = len(batch.indices) / elapsed
-        self.log.record("step", step=step, epoch=batch.epoch, loss=loss, accuracy=accuracy,
-                        samples=len(batch.indices), samples_per_s=round(samples_per_s, 2),
-                        step_ms=round(elapsed * 1000, 3), stages=stages)
+    def _show_step(self, record) -> None:
         if self._progress is not None:
-            self._progress.update(step + 1, epoch=batch.epoch + 1, loss=loss, acc=accuracy,
-                                  **{"samples/s": round(samples_per_s, 1)})
-        del self._reports[step]
-        self._steps_done += 1
-        self._done.pop(step).set()
+            self._progress.update(self.ledger.completed, epoch=record.epoch + 1, loss=record.loss,
+                                  acc=record.accuracy,
+                                  **{"samples/s": round(record.samples / max(record.step_ms, 1e-9) * 1000, 1)})
+
+    # -- re-planning ---------------------------------------------------------------------------
+
+    async def _maybe_replan(self, next_step: int) -> bool:
+        if self.replanner is None:
+            return False
+        forced = dict(self.config.replan_at)
+        measured = self.ledger.stage_compute_ms(self.config.replan_every)
+        step_ms = self.ledger.median_step_ms(self.config.replan_every)
+        self.replanner.observe(self.manifest, self.names, measured, step_ms)
+        if next_step in forced:
+            proposal = self.replanner.propose(self.manifest, self.names, force=True, cuts=forced[next_step])
+        else:
+            proposal = self.replanner.propose(self.manifest, self.names)
+        if proposal is None:
+            return False
+        await self._repartition(proposal, next_step)
+        return True
+
+    async def _repartition(self, proposal, next_step: int) -> None:
+        started = time.perf_counter()
+        self.replans += 1
+        folder = self.config.out_dir / "plans" / f"plan{self.replans}"
+        loop = asyncio.get_running_loop()
+        manifest = await loop.run_in_executor(None, self.replanner.build, list(proposal.cuts), folder)
+        by_name = {name: url for url, name in self.known.items()}
+        order = [by_name[name] for name in proposal.workers]
+        old_manifest, old_order, old_cuts = self.manifest, self.order, list(self.manifest.cuts)
+        try:
+            await assign(self.client, manifest, folder, order, list(proposal.workers), self._settings)
+            moved = await migrate(self.client, self.run_id, old_manifest, old_order, manifest, order)
+        except EdgertError as error:
+            raise TrainingError(f"re-partition before step {next_step} failed: {error}") from None
+        self.manifest, self.plan_dir, self.order, self.names = manifest, folder, order, list(proposal.workers)
+        self.ledger.configure(self.names)
+        pause = time.perf_counter() - started
+        self.replanner.record_pause(pause)
+        self.log.event("replan", before_step=next_step, reason=proposal.reason, old_cuts=old_cuts,
+                       new_cuts=list(manifest.cuts), workers=self.names, predicted_gain=round(proposal.gain, 3),
+                       pause_s=round(pause, 3), bytes_moved=moved.bytes, migrate_s=round(moved.seconds, 3))
+        if self._progress is not None:
+            self._progress.message(f"re-planned before step {next_step} ({proposal.reason}): cuts "
+                                   f"{old_cuts} -> {list(manifest.cuts)}, paused {pause:.2f} s")
 
     # -- evaluation and checkpoints ----------------------------------------------------------
 
@@ -353,13 +366,17 @@ class Coordinator:
         async def fetch(url: str) -> StageState:
             return StageState.from_envelope(await self.client.fetch(url, WEIGHTS, timeout=60.0))
 
-        return list(await asyncio.gather(*(fetch(url) for url in self.config.workers)))
+        return list(await asyncio.gather(*(fetch(url) for url in self.order)))
 
     async def _evaluate(self, evaluator: Evaluator, epoch: int, step: int) -> tuple[float | None, float | None]:
         states = await self._fetch_states()
         folder = self.config.out_dir / "checkpoints" / "latest"
+        for stale in folder.glob("stage*.cbor"):
+            stale.unlink()
         written = sum(save_state(state, folder / f"stage{k}.cbor", self.run_id) for k, state in enumerate(states))
-        (folder / "checkpoint.json").write_text(json.dumps({"step": step, "epoch": epoch, "stages": self.stages}))
+        self._copy_plan(self.config.out_dir / "plan")
+        (folder / "checkpoint.json").write_text(json.dumps({"step": step, "epoch": epoch,
+                                                            "stages": len(states)}))
         loss, accuracy = await asyncio.get_running_loop().run_in_executor(
             None, evaluator.evaluate, states, self.dataset.x_test, self.dataset.y_test)
         self.log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
@@ -369,14 +386,22 @@ class Coordinator:
             self._progress.message(f"epoch {epoch + 1}: test loss {loss:.4f}{accuracy_text}")
         return loss, accuracy
 
+    def _copy_plan(self, target: Path) -> None:
+        """The run's plan folder follows re-partitions, so a checkpoint always matches it."""
+        if self.plan_dir.resolve() != target.resolve():
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.plan_dir / MANIFEST_NAME, target / MANIFEST_NAME)
+
     def _summary(self, test: tuple[float | None, float | None]) -> RunSummary:
         wall = max(self._train_seconds, 1e-9)
+        names = list(self.known.values())
         summary = RunSummary(
-            run_dir=str(self.config.out_dir), steps=self._steps_done,
-            epochs=self.config.epochs, samples=self._samples, train_seconds=round(self._train_seconds, 3),
-            samples_per_s=round(self._samples / wall, 2), train_loss=self._last_loss, test_loss=test[0],
-            test_accuracy=test[1], stage_utilisation=[round(b / 1000 / wall, 4) for b in self._busy_ms],
-            workers=self.worker_names, schedule=self.config.schedule)
+            run_dir=str(self.config.out_dir), steps=self.ledger.completed, epochs=self.config.epochs,
+            samples=self.ledger.samples, train_seconds=round(self._train_seconds, 3),
+            samples_per_s=round(self.ledger.samples / wall, 2), train_loss=self.ledger.last_loss,
+            test_loss=test[0], test_accuracy=test[1],
+            stage_utilisation=[round(self.ledger.busy_ms.get(n, 0.0) / 1000 / wall, 4) for n in self.names],
+            workers=self.names if self.names else names, schedule=self.config.schedule, replans=self.replans)
         self.log.record("summary", **dataclasses.asdict(summary))
         return summary
 

@@ -27,6 +27,7 @@ from edgert.schedule import SCHEDULES
 from edgert.transport import Envelope
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
+MIGRATE, PROFILE, PROBE, ECHO = "migrate", "profile", "probe", "echo"
 ACT, GRAD, LABELS = "act", "grad", "labels"
 DATA_KINDS = {ACT: "activations", GRAD: "gradients"}
 

@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import queue
 import shutil
 import tempfile
@@ -23,17 +24,23 @@ from pathlib import Path
 
 import numpy as np
 
+from edgert.assignment import SELF
 from edgert.errors import EdgertError
 from edgert.executor import Key, StageExecutor, StepReport, Window
 from edgert.inbox import Inbox, InboxAborted, InboxFull
 from edgert.manifest import RUNTIME_ROLES, BoundaryTensor, verify_file
+from edgert.profiler import measure_stage, probe_link
 from edgert.protocol import (
     ACT,
     BATCH,
     DATA_KINDS,
+    ECHO,
     GRAD,
     HEALTH,
     LABELS,
+    MIGRATE,
+    PROBE,
+    PROFILE,
     REPORT,
     RUN,
     STAGE,
@@ -56,6 +63,7 @@ from edgert.transport import (
     ServiceUnavailable,
     TensorClient,
     TensorServer,
+    TransportError,
     get_codec,
 )
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
@@ -101,6 +109,7 @@ class Worker:
         self._workdir = Path(config.workdir) if config.workdir else Path(tempfile.mkdtemp(prefix="edgert-worker-"))
         self._owns_workdir = config.workdir is None
         self._codecs: dict[str, object] = {}
+        self._previous: StageState | None = None
         self._load_lock = asyncio.Lock()
         self._register_resources()
 
@@ -137,8 +146,12 @@ class Worker:
         server.add_resource(RUN, post=self._on_run, rt="edgert.run", kinds=("control",))
         server.add_resource(BATCH, post=self._on_batch, rt="edgert.batch", kinds=("batch",))
         server.add_resource(STOP, post=self._on_stop, rt="edgert.stop", envelope=False)
-        server.add_resource(WEIGHTS, get=self._on_weights_get, put=self._on_weights_put, rt="edgert.weights",
-                            kinds=("weights",))
+        server.add_resource(WEIGHTS, get=self._on_weights_get, put=self._on_weights_put, fetch=self._on_weights_fetch,
+                            rt="edgert.weights", kinds=("weights", "control"))
+        server.add_resource(MIGRATE, post=self._on_migrate, rt="edgert.migrate", kinds=("control",))
+        server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",))
+        server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",))
+        server.add_resource(ECHO, post=self._on_echo, rt="edgert.echo", envelope=False)
         for path, kind in DATA_KINDS.items():
             server.add_resource(path, post=self._data_handler(path), rt=f"edgert.{kind}", kinds=(kind,))
 
@@ -167,10 +180,10 @@ class Worker:
         return Envelope(kind="control", run_id=assignment.run_id, stage=assignment.entry.index,
                         meta={"loaded": True, "load_ms": load_ms, "worker": self.config.name})
 
-    def _load(self, assignment: StageAssignment, files: dict[str, bytes]) -> StageSession:
+    def _load(self, assignment: StageAssignment, files: dict[str, bytes], folder_name: str = "") -> StageSession:
         """Check every file against the manifest entry's sha256, write it, open the sessions."""
         entry = assignment.entry
-        folder = self._workdir / assignment.run_id / f"stage{entry.index}"
+        folder = self._workdir / assignment.run_id / (folder_name or f"stage{entry.index}-{'-'.join(entry.blocks)}")
         folder.mkdir(parents=True, exist_ok=True)
         missing = [role for role in RUNTIME_ROLES if role not in files]
         if missing:
@@ -187,6 +200,12 @@ class Worker:
         return StageSession(local, folder, assignment.training, threads)
 
     def _install(self, assignment: StageAssignment, session: StageSession) -> None:
+        if self.session is not None and self.assignment.run_id == assignment.run_id:
+            # Kept for the workers that take over this stage's blocks (re-partitioning).
+            self._previous = StageState(parameters=self.session.parameters(),
+                                        optimizer=self.session.optimizer_state(), stage=self.session.entry.index)
+        else:
+            self._previous = None
         self.inbox.reset()
         self.assignment, self.session = assignment, session
         self._codecs = {"forward": get_codec(assignment.forward_codec),
@@ -255,6 +274,88 @@ class Worker:
         state = StageState(parameters=session.parameters(), optimizer=session.optimizer_state(),
                            step=max(self.health.step, 0), stage=session.entry.index)
         return state.to_envelope(self.assignment.run_id)
+
+    async def _on_weights_fetch(self, request: Request) -> Envelope:
+        """Some of the state, by name: ``meta.names``; ``meta.previous`` for the stage held before the
+        latest assignment (what re-partitioning moves between workers)."""
+        meta = request.envelope.meta
+        names = meta.get("names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise BadRequest("FETCH /weights needs meta.names, a list of parameter names")
+        if meta.get("previous"):
+            if self._previous is None:
+                raise BadRequest("this worker holds no previous stage state")
+            state = self._previous
+        else:
+            session = self._require_session()
+            state = StageState(parameters=session.parameters(), optimizer=session.optimizer_state(),
+                               stage=session.entry.index)
+        return _subset(state, names).to_envelope(self.assignment.run_id if self.assignment else "")
+
+    async def _on_migrate(self, request: Request) -> Envelope:
+        """Fetch the named state from the workers that held it, straight into this stage."""
+        session = self._require_session()
+        self._check_run(request.envelope)
+        sources = request.envelope.meta.get("sources", [])
+        started = time.perf_counter()
+
+        async def fetch(source: dict) -> StageState:
+            if source["url"] == SELF:
+                return _subset(self._previous, list(source["names"]))
+            query = Envelope(kind="control", run_id=self.assignment.run_id,
+                             meta={"names": list(source["names"]), "previous": bool(source.get("previous", True))})
+            response = await self.client.request("FETCH", source["url"], WEIGHTS, query, timeout=120.0)
+            return StageState.from_envelope(response.envelope(self.config.limits))
+
+        try:
+            states = await asyncio.gather(*(fetch(s) for s in sources))
+        except (TransportError, KeyError, TypeError, EdgertError) as error:
+            raise BadRequest(f"migration failed: {error}") from None
+        moved = 0
+        for state in states:
+            try:
+                session.load_parameters(state.parameters)
+                session.load_optimizer_state(state.optimizer)
+            except EdgertError as error:
+                raise BadRequest(f"migration failed: {error}") from None
+            moved += state.bytes
+        return Envelope(kind="control", run_id=self.assignment.run_id,
+                        meta={"bytes": moved, "ms": (time.perf_counter() - started) * 1000})
+
+    async def _on_profile(self, request: Request) -> Envelope:
+        """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
+        try:
+            assignment, files = StageAssignment.from_envelope(request.envelope)
+        except ProtocolError as error:
+            raise BadRequest(str(error)) from None
+        meta = request.envelope.meta
+        micro_batch, repeats = int(meta.get("micro_batch", 16)), int(meta.get("repeats", 5))
+
+        def measure() -> dict:
+            session = self._load(assignment, files, folder_name="profile")
+            return dataclasses.asdict(measure_stage(session, micro_batch, repeats, slowdown=self.config.slowdown))
+
+        try:
+            timing = await asyncio.get_running_loop().run_in_executor(None, measure)
+        except EdgertError as error:
+            raise BadRequest(f"profiling refused: {error}") from None
+        return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
+                                              "memory_bytes": _available_memory(), "worker": self.config.name,
+                                              "slowdown": str(self.config.slowdown)})
+
+    async def _on_probe(self, request: Request) -> Envelope:
+        """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""
+        target = request.envelope.meta.get("target")
+        if not isinstance(target, str):
+            raise BadRequest("POST /probe needs meta.target, a worker URL")
+        try:
+            result = await probe_link(self.client, target)
+        except TransportError as error:
+            raise BadRequest(f"{target} did not answer: {error}") from None
+        return Envelope(kind="control", meta=result)
+
+    async def _on_echo(self, request: Request) -> bytes:
+        return b""
 
     async def _on_weights_put(self, request: Request) -> None:
         session = self._require_session()
@@ -378,3 +479,26 @@ def _check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str
         batches.update(n for d, n in zip(spec.shape, shape) if d == "N")
     if len(batches) > 1 or 0 in batches:
         raise BadRequest(f"/{path}: tensors have batch sizes {sorted(batches)}; expected one, at least 1")
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), 0 where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _subset(state: StageState | None, names: list[str]) -> StageState:
+    """The named part of a stage state; every name must be there."""
+    if state is None:
+        raise BadRequest("this worker holds no previous stage state")
+    missing = [n for n in names if n not in state.parameters]
+    if missing:
+        raise BadRequest(f"no state for {', '.join(missing[:5])} here")
+    return StageState(parameters={n: state.parameters[n] for n in names},
+                      optimizer={n: state.optimizer[n] for n in names if n in state.optimizer},
+                      step=state.step, stage=state.stage)

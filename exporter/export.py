@@ -6,6 +6,9 @@ the next stage sends gradients for.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from edgert.exporter.slice import StageGraph, slice_stage, stage_ranges
 from edgert.exporter.source import SourceModel, load_source_model
 from edgert.manifest import (
     ArtifactFile,
+    BoundaryTensor,
     Manifest,
     ParameterInfo,
     StageEntry,
@@ -77,8 +81,13 @@ def write_plan(
     out_dir: Path,
     training: TrainingConfig,
     progress: Progress = lambda _: None,
+    cache: Path | None = None,
 ) -> Manifest:
-    """Slice at ``cuts``, build every stage's artifacts into ``out_dir``, write the manifest."""
+    """Slice at ``cuts``, build every stage's artifacts into ``out_dir``, write the manifest.
+
+    With ``cache``, a stage already built there (same sub-graph, training config and
+    gradient wiring) is copied instead of rebuilt: re-partitioning re-uses block ranges.
+    """
     _check_training_config(training)
     _prepare_folder(out_dir)
     ranges = stage_ranges(cuts, len(analysis.blocks))
@@ -89,9 +98,8 @@ def write_plan(
         downstream = built[stage.index + 1] if not stage.is_last else None
         gradient_outputs = [t for t in stage.outputs if downstream and t.name in downstream.input_gradients]
         wants = {t.name for t in stage.inputs if t.differentiable and t.name not in _model_inputs(analysis)}
-        built[stage.index] = build_stage_artifacts(
-            stage, training, out_dir / f"stage{stage.index}", gradient_outputs, wants
-        )
+        built[stage.index] = _build_or_reuse(stage, training, out_dir / f"stage{stage.index}", gradient_outputs,
+                                             wants, cache)
         for note in built[stage.index].notes:
             progress(f"stage {stage.index}: {note}")
     _copy_source(source, out_dir / SOURCE_FILE)
@@ -99,6 +107,31 @@ def write_plan(
     write_manifest(manifest, out_dir)
     progress(f"wrote {out_dir / 'manifest.json'} ({len(graphs)} stage(s))")
     return manifest
+
+
+def _build_or_reuse(stage: StageGraph, training: TrainingConfig, out_dir: Path, gradient_outputs: list,
+                    wants: set[str], cache: Path | None) -> StageArtifacts:
+    if cache is None:
+        return build_stage_artifacts(stage, training, out_dir, gradient_outputs, wants)
+    key = hashlib.sha256()
+    key.update(stage.model.SerializeToString())
+    key.update(json.dumps([dataclasses.asdict(training), sorted(t.name for t in gradient_outputs), sorted(wants),
+                           stage.is_first, stage.is_last], default=str).encode())
+    entry = cache / key.hexdigest()[:32]
+    if not (entry / "artifacts.json").is_file():
+        built = build_stage_artifacts(stage, training, entry, gradient_outputs, wants)
+        record = {"files": {role: path.name for role, path in built.files.items()},
+                  "input_gradients": built.input_gradients, "output_gradients": built.output_gradients,
+                  "labels": [t.to_json() for t in built.labels], "notes": built.notes}
+        (entry / "artifacts.json").write_text(json.dumps(record))
+    record = json.loads((entry / "artifacts.json").read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for role, name in record["files"].items():
+        shutil.copyfile(entry / name, out_dir / name)
+        files[role] = out_dir / name
+    return StageArtifacts(stage.index, files, record["input_gradients"], record["output_gradients"],
+                          tuple(BoundaryTensor.from_json(t) for t in record["labels"]), record["notes"])
 
 
 def _check_training_config(training: TrainingConfig) -> None:

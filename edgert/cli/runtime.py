@@ -77,12 +77,22 @@ async def _serve(worker) -> None:
 @click.option("--listen", default="coap+tcp://0.0.0.0:0", show_default=True, help="Where workers report to.")
 @click.option("--advertise", default=None, help="Host workers reach this coordinator at (default: auto).")
 @click.option("--step-timeout", type=float, default=120.0, show_default=True)
+@click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="Move the cuts while training when measured stage times drift.")
+@click.option("--replan-every", type=int, default=10, show_default=True, help="Steps between re-planning checks.")
+@click.option("--replan-threshold", type=float, default=0.1, show_default=True,
+              help="Re-plan only for a predicted speed-up above this fraction.")
+@click.option("--replan-at", multiple=True, help='Force a re-plan before a step: "STEP" or "STEP:CUT,CUT" (block '
+              "indices). Repeatable.")
+@click.option("--devices", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="devices.json from `edgert profile`, for re-planning.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int | None, batch_size: int,
                   micro_batches: int, schedule: str, learning_rate: float | None, seed: int, codec: str,
                   grad_codec: str, threads: int, out_dir: Path, listen: str, advertise: str | None,
-                  step_timeout: float, as_json: bool, log_level: str) -> None:
+                  step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
+                  replan_at: tuple[str, ...], devices: Path | None, as_json: bool, log_level: str) -> None:
     """Train PLAN across WORKERS (one per stage) and record the run."""
     from edgert.coordinator import TrainConfig, train
 
@@ -92,9 +102,18 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
         data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
         schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
         forward_threads=threads, backward_threads=threads, listen=listen, advertise=advertise,
-        step_timeout=step_timeout)
+        step_timeout=step_timeout, replan=replan, replan_every=replan_every, replan_threshold=replan_threshold,
+        replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices)
     summary = train(config)
     print_summary(summary, as_json)
+
+
+def _forced_replan(text: str) -> tuple[int, tuple[int, ...] | None]:
+    step, _, cuts = text.partition(":")
+    try:
+        return int(step), tuple(int(c) for c in cuts.split(",")) if cuts else None
+    except ValueError:
+        raise click.BadParameter(f"--replan-at {text!r}: expected STEP or STEP:CUT,CUT") from None
 
 
 def print_summary(summary, as_json: bool) -> None:
@@ -109,3 +128,30 @@ def print_summary(summary, as_json: bool) -> None:
                f"{summary.samples_per_s:.1f} samples/s, test accuracy {accuracy}, test loss {summary.test_loss:.4f}")
     for k, (name, share) in enumerate(zip(summary.workers, summary.stage_utilisation)):
         click.echo(f"  stage {k} on {name}: {share * 100:.1f}% busy")
+
+
+@main.command("profile")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--workers", required=True, help="Worker URLs, comma-separated.")
+@click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--micro-batch", type=int, default=16, show_default=True, help="Samples per measured micro-batch.")
+@click.option("--repeats", type=int, default=5, show_default=True)
+def profile_command(model: Path, workers: str, out_path: Path, micro_batch: int, repeats: int) -> None:
+    """Measure each worker on MODEL's units (forward, backward, memory) and every link between workers."""
+    from edgert.cli.host import require_host_extra
+
+    require_host_extra("profile")
+    from edgert.devices import save_devices
+    from edgert.exporter.profiling import profile_devices
+
+    urls = [w.strip() for w in workers.split(",") if w.strip()]
+    devices = profile_devices(model, urls, micro_batch, repeats, progress=lambda m: click.echo(m, err=True))
+    save_devices(devices, out_path)
+    for device in devices.devices:
+        total = sum(t.forward_ms + t.backward_ms for t in device.blocks)
+        click.echo(f"{device.name}: {total:.2f} ms per micro-batch (forward + backward, whole model), "
+                   f"{device.cores} cores, {device.memory_bytes / 2**20:.0f} MiB available")
+    for link in devices.links:
+        megabytes = link.bandwidth_bytes_per_s / 1e6
+        click.echo(f"{link.source} -> {link.target}: {megabytes:.1f} MB/s, rtt {link.rtt_ms:.2f} ms")
+    click.echo(f"wrote {out_path}")

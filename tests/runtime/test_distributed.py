@@ -165,3 +165,20 @@ def test_worker_shuts_down_cleanly_on_sigterm():
     finally:
         process.kill()
         process.stdout.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_forced_replan_changes_nothing_learned(cluster, plans, tmp_path, schedule):
+    """Cuts move before step 10 (parameters and optimizer state migrate between workers)."""
+    moved = run(plans[3], cluster.urls, tmp_path / "moved", schedule=schedule, steps=20,
+                replan_at=((10, (1, 4)),))
+    still = run(plans[3], cluster.urls, tmp_path / "still", schedule=schedule, steps=20)
+    assert moved.replans == 1 and moved.steps == still.steps == 20
+    events = [m for m in read_metrics(tmp_path / "moved") if m.get("event") == "replan"]
+    assert len(events) == 1 and events[0]["before_step"] == 10 and events[0]["bytes_moved"] > 0
+    assert events[0]["new_cuts"] != events[0]["old_cuts"] and events[0]["pause_s"] > 0
+    assert load_manifest(tmp_path / "moved" / "plan", verify=False).cuts == tuple(events[0]["new_cuts"])
+    split, whole = stage_parameters(tmp_path / "moved", 3), stage_parameters(tmp_path / "still", 3)
+    worst = max(float(np.max(np.abs(split[n] - whole[n]))) / max(float(np.max(np.abs(whole[n]))), 1e-3)
+                for n in whole)
+    assert worst <= 1e-4, f"largest relative parameter difference {worst:.2e}"

@@ -1,0 +1,132 @@
+"""The coordinator's ledger of steps: which stage reported what, and when a step is done.
+
+Each stage reports each optimizer step once; when every stage has, the step is complete:
+its metrics line is written, the trace gets its spans, and whoever waits on the step
+(flow control, evaluation, re-planning) is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgert.executor import StepReport
+from edgert.runlog import RunLog
+
+
+@dataclass
+class StepRecord:
+    """A completed step, as metrics.jsonl records it."""
+
+    step: int
+    epoch: int
+    samples: int
+    loss: float | None
+    accuracy: float | None
+    step_ms: float
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+
+class StepLedger:
+    """Collects step reports; completes steps; keeps what re-planning and the summary need."""
+
+    def __init__(self, log: RunLog, on_complete: Callable[[StepRecord], None] | None = None):
+        self.log = log
+        self.on_complete = on_complete
+        self.stages = 0
+        self.names: list[str] = []
+        self.failure: str | None = None
+        self.completed = 0
+        self.samples = 0
+        self.last_loss: float | None = None
+        self.busy_ms: dict[str, float] = {}
+        self._pending: dict[int, dict[int, StepReport]] = {}
+        self._meta: dict[int, tuple[int, int]] = {}  # step -> (epoch, samples)
+        self._events: dict[int, asyncio.Event] = {}
+        self._last_finish: float | None = None
+        self.recent: list[StepRecord] = []
+
+    def configure(self, names: list[str]) -> None:
+        """The workers (by stage) of the steps expected from now on."""
+        self.stages, self.names = len(names), list(names)
+
+    def expect(self, step: int, epoch: int, samples: int) -> None:
+        self._pending[step] = {}
+        self._meta[step] = (epoch, samples)
+        self._events[step] = asyncio.Event()
+
+    def fail(self, message: str) -> None:
+        self.failure = message
+        for event in self._events.values():
+            event.set()
+
+    def add(self, report: StepReport, worker: str) -> None:
+        received = self._pending.get(report.step)
+        if received is None or report.stage in received:
+            return  # a retried delivery, or a step that is already complete
+        received[report.stage] = report
+        self.log.spans(report.stage, worker, report.spans)
+        if len(received) == self.stages:
+            self._complete(report.step, received)
+
+    async def wait(self, step: int, timeout: float) -> bool:
+        """Wait for ``step``; False on timeout. A failure releases every waiter."""
+        event = self._events.get(step)
+        if event is None:
+            return True
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def missing(self, step: int) -> list[int]:
+        return [k for k in range(self.stages) if k not in self._pending.get(step, {})]
+
+    def reset_timing(self) -> None:
+        """After a pause (evaluation, re-plan), the next step's time starts from its own start."""
+        self._last_finish = None
+
+    def _complete(self, step: int, reports: dict[int, StepReport]) -> None:
+        epoch, samples = self._meta.pop(step)
+        last = reports[self.stages - 1]
+        finished = max(r.finished for r in reports.values())
+        started = self._last_finish or min(r.started for r in reports.values())
+        self._last_finish = finished
+        elapsed = max(finished - started, 1e-9)
+        loss = last.loss_sum / last.samples if last.samples else None
+        accuracy = last.correct / last.samples if last.correct is not None and last.samples else None
+        stages = []
+        for k in range(self.stages):
+            r = reports[k]
+            self.busy_ms[self.names[k]] = self.busy_ms.get(self.names[k], 0.0) + r.compute_ms
+            stages.append({"stage": k, "worker": self.names[k], "forward_ms": round(r.forward_ms, 3),
+                           "backward_ms": round(r.backward_ms, 3), "optimizer_ms": round(r.optimizer_ms, 3),
+                           "idle_ms": round(r.idle_ms, 3), "transfer_ms": round(r.send_ms, 3),
+                           "slowdown_ms": round(r.slowdown_ms, 3)})
+        record = StepRecord(step, epoch, samples, loss, accuracy, elapsed * 1000, stages)
+        self.completed += 1
+        self.samples += samples
+        self.last_loss = loss
+        self.recent.append(record)
+        self.log.record("step", step=step, epoch=epoch, loss=loss, accuracy=accuracy, samples=samples,
+                        samples_per_s=round(samples / elapsed, 2), step_ms=round(elapsed * 1000, 3), stages=stages)
+        del self._pending[step]
+        self._events.pop(step).set()
+        if self.on_complete is not None:
+            self.on_complete(record)
+
+    def stage_compute_ms(self, last: int) -> list[float]:
+        """Median compute (forward + backward + optimizer) per stage over the last ``last`` steps."""
+        window = self.recent[-last:]
+        if not window:
+            return []
+        return [statistics.median(r.stages[k]["forward_ms"] + r.stages[k]["backward_ms"] + r.stages[k]["optimizer_ms"]
+                                  for r in window) for k in range(len(window[-1].stages))]
+
+    def median_step_ms(self, last: int) -> float:
+        window = self.recent[-last:]
+        return statistics.median(r.step_ms for r in window) if window else 0.0

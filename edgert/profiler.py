@@ -1,0 +1,109 @@
+"""Measuring a stage on this device: forward and backward times and peak memory.
+
+Runs the stage's own sessions (the code path training uses) on seeded random inputs of
+one micro-batch, a few times, and keeps the median. Peak memory is the rise of the
+process's high-water mark (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``)
+over its resident size before the runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgert.devices import BlockTiming
+from edgert.manifest import BoundaryTensor
+from edgert.slowdown import SlowdownSchedule
+from edgert.stage import StageSession
+
+
+def random_tensor(tensor: BoundaryTensor, batch: int, rng: np.random.Generator) -> np.ndarray:
+    """A tensor of the spec's shape: normal floats, or zeros for integers (valid indices)."""
+    shape = tensor.shape_for(batch)
+    if np.issubdtype(np.dtype(tensor.dtype), np.floating):
+        return rng.standard_normal(shape).astype(tensor.dtype)
+    return np.zeros(shape, dtype=tensor.dtype)
+
+
+def measure_stage(session: StageSession, micro_batch: int, repeats: int = 5, warmup: int = 2,
+                  slowdown: SlowdownSchedule | None = None, name: str | None = None) -> BlockTiming:
+    """Median forward and backward milliseconds of one micro-batch, and peak bytes."""
+    entry = session.entry
+    rng = np.random.default_rng(0)
+    inputs = {t.name: random_tensor(t, micro_batch, rng) for t in entry.inputs}
+    labels = {t.name: random_tensor(t, micro_batch, rng) for t in entry.labels}
+    gradients = {t.name: random_tensor(t, micro_batch, rng) for t in entry.outputs if t.name in entry.output_gradients}
+    slowdown = slowdown or SlowdownSchedule()
+    forward, backward = [], []
+    resident = _resident_bytes()
+    _reset_peak()
+    for attempt in range(warmup + repeats):
+        start = _clock()
+        session.forward(inputs)
+        forward_ms = _elapsed_ms(start, slowdown, session.single_threaded)
+        start = _clock()
+        session.backward(inputs, output_gradients=gradients or None, labels=labels or None)
+        backward_ms = _elapsed_ms(start, slowdown, session.single_threaded)
+        if attempt >= warmup:
+            forward.append(forward_ms)
+            backward.append(backward_ms)
+    session.zero_grad()
+    peak = max(_peak_bytes() - resident, 0)
+    return BlockTiming(block=name or "+".join(entry.blocks), forward_ms=round(statistics.median(forward), 4),
+                       backward_ms=round(statistics.median(backward), 4), peak_bytes=int(peak))
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
+def _elapsed_ms(start: tuple[float, float], slowdown: SlowdownSchedule, single_threaded: bool) -> float:
+    wall = time.perf_counter() - start[0]
+    cpu = time.thread_time() - start[1] if single_threaded else None
+    slept = slowdown.emulate(0, wall, cpu)
+    return (wall + slept) * 1000
+
+
+def _status_field(field_name: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _resident_bytes() -> int:
+    return _status_field("VmRSS")
+
+
+def _peak_bytes() -> int:
+    return _status_field("VmHWM")
+
+
+def _reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+async def probe_link(client, target: str, sizes: tuple[int, ...] = (64, 1 << 20), repeats: int = 5) -> dict:
+    """RTT (smallest payload) and bandwidth (largest) from this device to ``target``'s ``/echo``."""
+    results = {}
+    for size in sizes:
+        payload = bytes(size)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            await client.post(target, "echo", payload, timeout=30.0, retries=0)
+            times.append(time.perf_counter() - started)
+        results[size] = statistics.median(times[1:])
+    small, large = min(sizes), max(sizes)
+    rtt = results[small]
+    bandwidth = (large - small) / max(results[large] - rtt, 1e-6)
+    return {"rtt_ms": round(rtt * 1000, 4), "bandwidth_bytes_per_s": round(bandwidth, 1)}
