@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgert.errors import EdgertError
-from edgert.manifest import RUNTIME_ROLES, Manifest, TrainingConfig
+from edgert.manifest import Manifest, TrainingConfig, needed_roles
 from edgert.protocol import MIGRATE, STAGE, Peers, StageAssignment
 from edgert.transport import Envelope, TensorClient, TransportError
 
@@ -39,6 +39,7 @@ class LinkSettings:
     forward_threads: int = 1
     backward_threads: int = 1
     wait_timeout: float = 120.0
+    memory_mode: str = "recompute"
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
             run_id=settings.run_id, entry=entry, training=settings.training, stages=stages, peers=peers,
             forward_codec=settings.forward_codec, backward_codec=settings.backward_codec,
             forward_threads=settings.forward_threads, backward_threads=settings.backward_threads,
-            wait_timeout=settings.wait_timeout)
-        files = {a.role: (plan_dir / a.path).read_bytes() for a in entry.artifacts if a.role in RUNTIME_ROLES}
+            wait_timeout=settings.wait_timeout, memory_mode=settings.memory_mode)
+        roles = needed_roles(entry, settings.memory_mode)
+        files = {a.role: (plan_dir / a.path).read_bytes() for a in entry.artifacts if a.role in roles}
         try:
             await client.request("PUT", order[k], STAGE, assignment.to_envelope(files), timeout=120.0)
         except TransportError as error:

@@ -28,10 +28,11 @@ class ChainStep:
 class StageChain:
     """Every stage of a plan, run in pipeline order in this process."""
 
-    def __init__(self, plan_dir: str | Path, manifest: Manifest | None = None, threads: Threads = Threads()):
+    def __init__(self, plan_dir: str | Path, manifest: Manifest | None = None, threads: Threads = Threads(),
+                 memory_mode: str = "recompute"):
         self.plan_dir = Path(plan_dir)
         self.manifest = manifest or load_manifest(self.plan_dir)
-        self.stages = [StageSession(entry, self.plan_dir, self.manifest.training, threads)
+        self.stages = [StageSession(entry, self.plan_dir, self.manifest.training, threads, memory_mode)
                        for entry in self.manifest.stages]
 
     def train_batch(self, inputs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray],
@@ -50,13 +51,15 @@ class StageChain:
 
     def _micro_batch(self, inputs: dict[str, np.ndarray], labels: dict[str, np.ndarray],
                      scale: float) -> tuple[float, np.ndarray]:
-        stage_inputs = [inputs]
+        stage_inputs, kept = [inputs], []
         for stage in self.stages[:-1]:
-            stage_inputs.append(stage.forward(stage_inputs[-1]))
+            kept.append({})
+            stage_inputs.append(stage.forward(stage_inputs[-1], kept[-1]))
         last = self.stages[-1].backward(stage_inputs[-1], labels=labels, loss_scale=scale)
         gradients = last.input_gradients
-        for stage, values in zip(reversed(self.stages[:-1]), reversed(stage_inputs[:-1])):
-            gradients = stage.backward(values, output_gradients=gradients).input_gradients
+        for k in reversed(range(len(self.stages) - 1)):
+            gradients = self.stages[k].backward(stage_inputs[k], output_gradients=gradients,
+                                                saved=kept[k]).input_gradients
         return last.loss, last.prediction
 
     def step(self) -> None:

@@ -30,7 +30,7 @@ from edgert.data import Batch, batches, load_training_data
 from edgert.errors import EdgertError
 from edgert.evaluation import Evaluator
 from edgert.ledger import StepLedger
-from edgert.manifest import MANIFEST_NAME, Manifest, load_manifest
+from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, Manifest, load_manifest
 from edgert.progress import Progress
 from edgert.protocol import BATCH, HEALTH, REPORT, RUN, STOP, WEIGHTS, Health, Segment, reports_from_envelope
 from edgert.runlog import RunLog
@@ -76,6 +76,7 @@ class TrainConfig:
     replan_threshold: float = 0.1
     replan_at: tuple[tuple[int, tuple[int, ...] | None], ...] = ()  # forced: (before step, block cuts or None)
     devices: Path | None = None
+    memory_mode: str = "recompute"  # recompute | stash
 
 
 @dataclass
@@ -135,6 +136,8 @@ class Coordinator:
             raise TrainingError(f"--steps must be at least 1 (got {config.steps})")
         if config.micro_batches > config.batch_size:
             raise TrainingError(f"--micro-batches {config.micro_batches} exceeds --batch-size {config.batch_size}")
+        if config.memory_mode not in MEMORY_MODES:
+            raise TrainingError(f"--memory-mode must be one of {', '.join(MEMORY_MODES)} (got {config.memory_mode!r})")
         if config.replan not in ("off", "auto"):
             raise TrainingError(f"--replan must be off or auto (got {config.replan!r})")
 
@@ -205,7 +208,7 @@ class Coordinator:
             training=with_learning_rate(self.manifest.training, self.config.learning_rate),
             forward_codec=self.config.forward_codec, backward_codec=self.config.backward_codec,
             forward_threads=self.config.forward_threads, backward_threads=self.config.backward_threads,
-            wait_timeout=self.config.step_timeout)
+            wait_timeout=self.config.step_timeout, memory_mode=self.config.memory_mode)
         started = time.perf_counter()
         try:
             await assign(self.client, self.manifest, self.plan_dir, self.order, self.names, self._settings)

@@ -95,7 +95,8 @@ class StageExecutor:
         self._send_backward = send_backward
         self.slowdown = slowdown
         self.wait_timeout = wait_timeout
-        self._held: dict[Key, dict[str, np.ndarray]] = {}
+        # inputs (and, when stashing, saved activations) of each micro-batch until its backward
+        self._held: dict[Key, tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
         self._stash: dict[int, dict[str, np.ndarray]] = {}
         self._stash_version: dict[Key, int] = {}
         self._version = 0
@@ -134,18 +135,19 @@ class StageExecutor:
 
     def _forward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
         inputs = self._take("act", batch, report)
-        self._held[batch.key] = inputs
+        kept: dict[str, np.ndarray] | None = {} if self.session.stashing else None
+        self._held[batch.key] = (inputs, kept)
         if window.schedule == "async" and not self.is_last:
             self._stash_weights(batch.key)
         if self.is_last:
             return  # folded into the backward, which recomputes the forward anyway
         started = self._clock()
-        outputs = self.session.forward(inputs)
+        outputs = self.session.forward(inputs, kept)
         self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step)
         self._send(self._send_forward, batch.key, outputs, report)
 
     def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
-        inputs = self._held.pop(batch.key)
+        inputs, kept = self._held.pop(batch.key)
         if self.is_last:
             labels = self._take("labels", batch, report)
             gradients = None
@@ -155,7 +157,7 @@ class StageExecutor:
         restore = self._swap_in_stashed(batch.key) if window.schedule == "async" and not self.is_last else None
         started = self._clock()
         result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
-                                       loss_scale=batch.loss_scale)
+                                       loss_scale=batch.loss_scale, saved=kept)
         if restore is not None:
             self.session.load_parameters(restore)
         self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step)

@@ -23,9 +23,19 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 BATCH = "N"
 
-ARTIFACT_ROLES = ("training", "backward", "eval", "infer", "optimizer", "checkpoint")
+ARTIFACT_ROLES = ("training", "backward", "forward_stash", "backward_stash", "eval", "infer", "optimizer",
+                  "checkpoint")
 # What a worker needs to train its stage (the rest serve ORT's own API and the host).
 RUNTIME_ROLES = ("backward", "eval", "infer", "checkpoint")
+# ... and with activation stashing (a stage that is not the last).
+STASH_ROLES = ("forward_stash", "backward_stash")
+MEMORY_MODES = ("recompute", "stash")
+
+
+def needed_roles(entry: StageEntry, memory_mode: str = "recompute") -> tuple[str, ...]:
+    """The artifact roles a worker needs to train ``entry`` in ``memory_mode``."""
+    stashing = memory_mode == "stash" and not entry.is_last
+    return RUNTIME_ROLES + (STASH_ROLES if stashing else ())
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ class StageEntry:
     # boundary output -> training-model input that takes d(loss)/d(output) from the next stage
     output_gradients: dict[str, str] = field(default_factory=dict)
     labels: tuple[BoundaryTensor, ...] = ()
+    # tensors the stashing forward returns for the backward (activation stashing)
+    saved: tuple[str, ...] = ()
 
     @property
     def is_last(self) -> bool:
@@ -202,6 +214,7 @@ def stage_from_json(data: dict[str, Any]) -> StageEntry:
         input_gradients=dict(data.get("input_gradients", {})),
         output_gradients=dict(data.get("output_gradients", {})),
         labels=tuple(BoundaryTensor.from_json(t) for t in data.get("labels", [])),
+        saved=tuple(data.get("saved", [])),
     )
 
 

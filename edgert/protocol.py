@@ -59,6 +59,7 @@ class StageAssignment:
     forward_threads: int = 1
     backward_threads: int = 1
     wait_timeout: float = 120.0
+    memory_mode: str = "recompute"
 
     def to_envelope(self, files: dict[str, bytes]) -> Envelope:
         meta = {
@@ -71,6 +72,7 @@ class StageAssignment:
             "forward_threads": self.forward_threads,
             "backward_threads": self.backward_threads,
             "wait_timeout": self.wait_timeout,
+            "memory_mode": self.memory_mode,
         }
         tensors = {role: np.frombuffer(data, dtype=np.uint8) for role, data in files.items()}
         return Envelope(kind="stage", run_id=self.run_id, stage=self.entry.index, tensors=tensors, meta=meta)
@@ -91,6 +93,7 @@ class StageAssignment:
                 forward_threads=int(meta.get("forward_threads", 1)),
                 backward_threads=int(meta.get("backward_threads", 1)),
                 wait_timeout=float(meta.get("wait_timeout", 120.0)),
+                memory_mode=str(meta.get("memory_mode", "recompute")),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
             raise ProtocolError(f"stage assignment is malformed: {type(error).__name__}: {error}") from None

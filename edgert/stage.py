@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgert.errors import StageError
-from edgert.manifest import BATCH, BoundaryTensor, StageEntry, TrainingConfig
+from edgert.manifest import BATCH, MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig
 from edgert.optimizer import FlatParameters, Optimizer, StateDict, make_optimizer
 from edgert.ort_training import training_api
 
@@ -60,8 +60,12 @@ class StageSession:
     """A stage's sessions, its parameters, accumulated gradients and optimizer."""
 
     def __init__(self, entry: StageEntry, plan_dir: str | Path, training: TrainingConfig,
-                 threads: Threads = Threads()):
+                 threads: Threads = Threads(), memory_mode: str = "recompute"):
+        if memory_mode not in MEMORY_MODES:
+            raise StageError(f"memory mode {memory_mode!r} is not one of {', '.join(MEMORY_MODES)}")
         self.entry = entry
+        # The last stage's forward is folded into its backward: nothing to stash there.
+        self.stashing = memory_mode == "stash" and not entry.is_last
         self.training = training
         self.threads = threads
         self.single_threaded = threads.forward == threads.backward == 1
@@ -74,9 +78,13 @@ class StageSession:
         self._values = {**self._flat.views, **{n: initial[n] for n in self._buffers}}
         self._gradient = self._flat.zeros()
         self._accumulated = 0
-        self._forward = _session(plan_dir / entry.artifact("eval").path, threads.forward)
-        self._backward = _session(plan_dir / entry.artifact("backward").path, threads.backward)
+        forward_role, backward_role = ("forward_stash", "backward_stash") if self.stashing else ("eval", "backward")
+        self._forward = _session(plan_dir / entry.artifact(forward_role).path, threads.forward)
+        self._backward = _session(plan_dir / entry.artifact(backward_role).path, threads.backward)
         self._infer = None
+        self._forward_inputs = {i.name for i in self._forward.get_inputs()}
+        self._backward_inputs = {i.name for i in self._backward.get_inputs()}
+        self._forward_outputs = [o.name for o in self._forward.get_outputs()]
         self._backward_outputs = [o.name for o in self._backward.get_outputs()]
         self._gradient_to_input = {v: k for k, v in entry.input_gradients.items()}
         self.optimizer: Optimizer = make_optimizer(training)
@@ -94,20 +102,31 @@ class StageSession:
 
     # -- running ---------------------------------------------------------------------------
 
-    def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the stage's forward on one micro-batch; returns its boundary outputs by name."""
+    def forward(self, inputs: Mapping[str, np.ndarray], keep: dict[str, np.ndarray] | None = None
+                ) -> dict[str, np.ndarray]:
+        """Run the stage's forward on one micro-batch; returns its boundary outputs by name.
+
+        When stashing, the tensors the backward will need are put in ``keep`` (pass them back
+        to :meth:`backward`) and the running statistics move here, once per micro-batch.
+        """
         feeds = self._checked_feeds(inputs, list(self.entry.inputs))
-        feeds.update(self._values)
-        names = [t.name for t in self.entry.outputs]
-        return dict(zip(names, self._forward.run(names, feeds)))
+        feeds.update(self._state_feeds(self._forward_inputs))
+        named = dict(zip(self._forward_outputs, self._forward.run(self._forward_outputs, feeds)))
+        if self.stashing:
+            if keep is None:
+                raise StageError(f"stage {self.entry.index} stashes activations: forward needs a `keep` dict")
+            self._update_buffers(named)
+            keep.update({name: named[name] for name in self.entry.saved})
+        return {t.name: named[t.name] for t in self.entry.outputs}
 
     def backward(self, inputs: Mapping[str, np.ndarray], output_gradients: Mapping[str, np.ndarray] | None = None,
-                 labels: Mapping[str, np.ndarray] | None = None, loss_scale: float = 1.0) -> BackwardResult:
-        """Recompute the forward and run the backward of one micro-batch.
+                 labels: Mapping[str, np.ndarray] | None = None, loss_scale: float = 1.0,
+                 saved: Mapping[str, np.ndarray] | None = None) -> BackwardResult:
+        """Run the backward of one micro-batch (recomputing its forward, unless stashing).
 
         Middle and first stages take the gradients of their outputs; the last stage takes
-        the labels and ``loss_scale`` (micro-batch size / batch size). Parameter gradients
-        accumulate until :meth:`step`.
+        the labels and ``loss_scale`` (micro-batch size / batch size). With stashing,
+        ``saved`` is what the forward kept. Parameter gradients accumulate until :meth:`step`.
         """
         expected = list(self.entry.inputs)
         values = dict(inputs)
@@ -126,14 +145,27 @@ class StageSession:
         feeds = self._checked_feeds(values, expected)
         if self.entry.is_last:
             feeds[LOSS_SCALE_INPUT] = np.array(loss_scale, dtype=np.float32)
-        feeds.update(self._values)
+        if self.stashing:
+            if saved is None or any(name not in saved for name in self.entry.saved):
+                raise StageError(f"stage {self.entry.index} stashes activations: backward needs what forward kept")
+            feeds.update(saved)
+            feeds = {k: v for k, v in feeds.items() if k in self._backward_inputs}
+        feeds.update(self._state_feeds(self._backward_inputs))
         named = dict(zip(self._backward_outputs, self._backward.run(self._backward_outputs, feeds)))
         return self._collect(named)
 
-    def _collect(self, named: dict[str, np.ndarray]) -> BackwardResult:
+    def _state_feeds(self, wanted: set[str]) -> dict[str, np.ndarray]:
+        return {name: value for name, value in self._values.items() if name in wanted}
+
+    def _update_buffers(self, named: dict[str, np.ndarray]) -> None:
         with self.lock:
             for output, buffer in self.entry.buffer_updates.items():
                 self._values[buffer][...] = named[output]
+
+    def _collect(self, named: dict[str, np.ndarray]) -> BackwardResult:
+        if not self.stashing:
+            self._update_buffers(named)
+        with self.lock:
             for name in self._trainable:
                 piece = self._flat.piece(self._gradient, name)
                 if self._accumulated:

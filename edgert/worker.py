@@ -28,7 +28,7 @@ from edgert.assignment import SELF
 from edgert.errors import EdgertError
 from edgert.executor import Key, StageExecutor, StepReport, Window
 from edgert.inbox import Inbox, InboxAborted, InboxFull
-from edgert.manifest import RUNTIME_ROLES, BoundaryTensor, verify_file
+from edgert.manifest import BoundaryTensor, needed_roles, verify_file
 from edgert.profiler import measure_stage, probe_link
 from edgert.protocol import (
     ACT,
@@ -185,11 +185,12 @@ class Worker:
         entry = assignment.entry
         folder = self._workdir / assignment.run_id / (folder_name or f"stage{entry.index}-{'-'.join(entry.blocks)}")
         folder.mkdir(parents=True, exist_ok=True)
-        missing = [role for role in RUNTIME_ROLES if role not in files]
+        roles = needed_roles(entry, assignment.memory_mode)
+        missing = [role for role in roles if role not in files]
         if missing:
             raise EdgertError(f"artifact(s) {', '.join(missing)} missing from the assignment")
         for artifact in entry.artifacts:
-            if artifact.role not in RUNTIME_ROLES:
+            if artifact.role not in roles:
                 continue
             path = folder / Path(artifact.path).name
             path.write_bytes(files[artifact.role])
@@ -197,7 +198,7 @@ class Worker:
         local = dataclasses.replace(entry, artifacts=tuple(
             dataclasses.replace(a, path=Path(a.path).name) for a in entry.artifacts))
         threads = Threads(assignment.forward_threads, assignment.backward_threads)
-        return StageSession(local, folder, assignment.training, threads)
+        return StageSession(local, folder, assignment.training, threads, assignment.memory_mode)
 
     def _install(self, assignment: StageAssignment, session: StageSession) -> None:
         if self.session is not None and self.assignment.run_id == assignment.run_id:

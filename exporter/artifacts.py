@@ -9,6 +9,9 @@ Per stage, in ``stage<k>/``:
   parameter gradients (``<param>_grad``). The worker runs it in a plain InferenceSession,
   which releases the GIL while it computes (ORT's Module holds it), so a worker keeps
   answering its peers during a long backward;
+- ``forward_stash.onnx``, ``backward_stash.onnx`` (not on the last stage): the same graph
+  split for activation stashing (exporter.stash): the forward also returns the tensors the
+  backward needs, which then recomputes nothing;
 - ``eval.onnx``      the forward in training form (batch statistics), run for the pipeline's
   forward pass, so that it matches the forward the backward recomputes;
 - ``infer.onnx``     the forward in inference form (running statistics), parameters as
@@ -35,15 +38,19 @@ from edgert.exporter.loss import (
     add_vjp_loss,
 )
 from edgert.exporter.slice import StageGraph, value_info_of
+from edgert.exporter.stash import split_for_stashing
 from edgert.manifest import BoundaryTensor, TrainingConfig
 from edgert.ort_training import gradient_builder, onnxblock, training_graph_utils
 
 INPUT_GRADIENT_SUFFIX = "__dinput"
 TRAINING, BACKWARD, EVAL, INFER = "training", "backward", "eval", "infer"
 OPTIMIZER, CHECKPOINT = "optimizer", "checkpoint"
+FORWARD_STASH, BACKWARD_STASH = "forward_stash", "backward_stash"
 FILE_NAMES = {
     TRAINING: "training.onnx",
     BACKWARD: "backward.onnx",
+    FORWARD_STASH: "forward_stash.onnx",
+    BACKWARD_STASH: "backward_stash.onnx",
     EVAL: "eval.onnx",
     INFER: "infer.onnx",
     OPTIMIZER: "optimizer.onnx",
@@ -61,6 +68,7 @@ class StageArtifacts:
     output_gradients: dict[str, str]
     labels: tuple[BoundaryTensor, ...] = ()
     notes: list[str] = field(default_factory=list)
+    saved: tuple[str, ...] = ()
 
 
 def build_stage_artifacts(
@@ -88,6 +96,15 @@ def build_stage_artifacts(
     user_outputs += list(stage.buffer_updates)
     input_gradients = _arrange_outputs(gradient_model, user_outputs, stage, requires_grad)
     _save(gradient_model, files[BACKWARD])
+    saved: tuple[str, ...] = ()
+    if stage.is_last:
+        del files[FORWARD_STASH], files[BACKWARD_STASH]
+    else:
+        halves = split_for_stashing(gradient_model, set(output_gradients.values()),
+                                    [t.name for t in stage.outputs] + list(stage.buffer_updates))
+        _save(halves.forward, files[FORWARD_STASH])
+        _save(halves.backward, files[BACKWARD_STASH])
+        saved = tuple(halves.saved)
     training_graph_utils().build_gradient_accumulation_graph(gradient_model, set(stage.parameters))
     _save(gradient_model, files[TRAINING])
     _save(_eval_model(stage, state_names), files[EVAL])
@@ -100,7 +117,7 @@ def build_stage_artifacts(
         del files[OPTIMIZER]
         notes.append("ORT's SGD has no momentum or weight decay: no optimizer.onnx written (the runtime's is used)")
     onnxblock().save_checkpoint((trainable_inits, buffer_inits), str(files[CHECKPOINT]))
-    return StageArtifacts(stage.index, files, input_gradients, output_gradients, labels, notes)
+    return StageArtifacts(stage.index, files, input_gradients, output_gradients, labels, notes, saved)
 
 
 def _training_base(

@@ -122,7 +122,7 @@ def _build_or_reuse(stage: StageGraph, training: TrainingConfig, out_dir: Path, 
         built = build_stage_artifacts(stage, training, entry, gradient_outputs, wants)
         record = {"files": {role: path.name for role, path in built.files.items()},
                   "input_gradients": built.input_gradients, "output_gradients": built.output_gradients,
-                  "labels": [t.to_json() for t in built.labels], "notes": built.notes}
+                  "labels": [t.to_json() for t in built.labels], "notes": built.notes, "saved": list(built.saved)}
         (entry / "artifacts.json").write_text(json.dumps(record))
     record = json.loads((entry / "artifacts.json").read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,8 @@ def _build_or_reuse(stage: StageGraph, training: TrainingConfig, out_dir: Path, 
         shutil.copyfile(entry / name, out_dir / name)
         files[role] = out_dir / name
     return StageArtifacts(stage.index, files, record["input_gradients"], record["output_gradients"],
-                          tuple(BoundaryTensor.from_json(t) for t in record["labels"]), record["notes"])
+                          tuple(BoundaryTensor.from_json(t) for t in record["labels"]), record["notes"],
+                          tuple(record.get("saved", ())))
 
 
 def _check_training_config(training: TrainingConfig) -> None:
@@ -213,4 +214,5 @@ def _stage_entry(analysis: ModelAnalysis, graph: StageGraph, artifacts: StageArt
         input_gradients=artifacts.input_gradients,
         output_gradients=artifacts.output_gradients,
         labels=artifacts.labels,
+        saved=artifacts.saved,
     )

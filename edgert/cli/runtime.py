@@ -72,6 +72,9 @@ async def _serve(worker) -> None:
 @click.option("--codec", default="none", show_default=True, help="Codec for activations (none, fp16, int8, int4).")
 @click.option("--grad-codec", default="none", show_default=True, help="Codec for gradients (none, fp16, int8, topk:R).")
 @click.option("--threads", type=int, default=1, show_default=True, help="ORT intra-op threads per worker session.")
+@click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True,
+              help="recompute: keep each in-flight micro-batch's inputs, recompute its forward in the backward; "
+                   "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/run"),
               show_default=True, help="Run folder (metrics.jsonl, trace.json, checkpoints).")
 @click.option("--listen", default="coap+tcp://0.0.0.0:0", show_default=True, help="Where workers report to.")
@@ -90,7 +93,7 @@ async def _serve(worker) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int | None, batch_size: int,
                   micro_batches: int, schedule: str, learning_rate: float | None, seed: int, codec: str,
-                  grad_codec: str, threads: int, out_dir: Path, listen: str, advertise: str | None,
+                  grad_codec: str, threads: int, memory_mode: str, out_dir: Path, listen: str, advertise: str | None,
                   step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
                   replan_at: tuple[str, ...], devices: Path | None, as_json: bool, log_level: str) -> None:
     """Train PLAN across WORKERS (one per stage) and record the run."""
@@ -103,7 +106,7 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
         schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
         forward_threads=threads, backward_threads=threads, listen=listen, advertise=advertise,
         step_timeout=step_timeout, replan=replan, replan_every=replan_every, replan_threshold=replan_threshold,
-        replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices)
+        replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices, memory_mode=memory_mode)
     summary = train(config)
     print_summary(summary, as_json)
 

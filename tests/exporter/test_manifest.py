@@ -24,7 +24,9 @@ def test_round_trip_is_lossless(plan):
     stage = again.stages[1]
     assert [t.name for t in stage.inputs] == ["a_out", "b_out"]  # the skip crosses this cut
     assert stage.inputs[0].shape == ("N", 6) and stage.inputs[0].dtype == "float32"
-    assert {a.role for a in stage.artifacts} == {"training", "backward", "eval", "infer", "optimizer", "checkpoint"}
+    assert {a.role for a in stage.artifacts} == {"training", "backward", "forward_stash", "backward_stash", "eval",
+                                                 "infer", "optimizer", "checkpoint"}
+    assert stage.saved and not again.stages[-1].saved
     assert all(len(a.sha256) == 64 for a in stage.artifacts)
     assert again.stages[-1].labels[0].name == "labels"
 

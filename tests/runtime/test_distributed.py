@@ -58,9 +58,10 @@ def stage_parameters(run_dir, stages):
     return values
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_three_stages_equal_one_stage_after_20_steps(cluster, plans, tmp_path, schedule):
-    three = run(plans[3], cluster.urls, tmp_path / "three", schedule=schedule, steps=20, micro_batches=4)
+@pytest.mark.parametrize("schedule,memory_mode", [("gpipe", "recompute"), ("1f1b", "recompute"), ("1f1b", "stash")])
+def test_three_stages_equal_one_stage_after_20_steps(cluster, plans, tmp_path, schedule, memory_mode):
+    three = run(plans[3], cluster.urls, tmp_path / "three", schedule=schedule, steps=20, micro_batches=4,
+                memory_mode=memory_mode)
     one = run(plans[1], cluster.urls[:1], tmp_path / "one", schedule=schedule, steps=20, micro_batches=4)
     assert three.steps == one.steps == 20
     split, whole = stage_parameters(tmp_path / "three", 3), stage_parameters(tmp_path / "one", 1)
