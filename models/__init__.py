@@ -10,7 +10,7 @@ Map of the package:
 - ``graph.py``        :class:`GraphBuilder`: ``/<block>/<sub>/<OpType>`` node names, seeded
                       ``<block>.<sub>.<kind>`` initializers, opset 17 / IR 8 models
 - ``layers.py``       conv, batch_norm, relu6, linear, projection, layer_norm, gelu
-- ``mlp.py``, ``cnn.py``, ``resnet.py``, ``mobilenet.py``, ``transformer.py``: one
+- ``mlp.py``, ``mlp_deep.py``, ``cnn.py``, ``resnet.py``, ``mobilenet.py``, ``transformer.py``: one
   ``build(spec, seed)`` per model family
 
 Importing this package does not import onnx (a board loads datasets without it): builders
@@ -87,6 +87,17 @@ _SPECS = (
         num_classes=10,
         dataset="digits-flat",
         blocks=("fc1", "fc2", "fc3", "head"),
+        skip_cuts=(),
+    ),
+    ModelSpec(
+        name="mlp-deep",
+        description="24 identical ReLU layers (256 wide) on the flattened digits: equal blocks for benchmarks",
+        builder="mlp_deep",
+        input_shape=(64,),
+        input_dtype="float32",
+        num_classes=10,
+        dataset="digits-flat",
+        blocks=("embed", *(f"layer{k}" for k in range(24)), "head"),
         skip_cuts=(),
     ),
     ModelSpec(

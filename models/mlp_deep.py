@@ -1,0 +1,36 @@
+"""mlp-deep: the 64 digit pixels through a stack of identical ReLU layers to 10 logits.
+
+Blocks: ``embed`` (Gemm 64->256, ReLU), ``layer0`` .. ``layer23`` (Gemm 256->256, ReLU),
+``head`` (Gemm 256->10). Equal blocks make equal stages, and many of them let a planner
+share the model among devices of very different speeds: the pipeline and heterogeneity
+benchmarks train it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from edgert.models.graph import GraphBuilder
+from edgert.models.layers import linear
+
+if TYPE_CHECKING:
+    import onnx
+
+    from edgert.models import ModelSpec
+
+WIDTH = 256
+LAYERS = 24
+
+
+def build(spec: ModelSpec, seed: int) -> onnx.ModelProto:
+    """The mlp-deep model for ``spec`` (input [N, 64] float32, logits [N, classes])."""
+    b = GraphBuilder(spec.name, seed)
+    x = b.input(spec.input_name, spec.input_dtype, ["N", *spec.input_shape])
+    with b.block("embed"):
+        x = b.op("Relu", [linear(b, x, "linear", spec.input_shape[0], WIDTH, relu_follows=True)])
+    for index in range(LAYERS):
+        with b.block(f"layer{index}"):
+            x = b.op("Relu", [linear(b, x, "linear", WIDTH, WIDTH, relu_follows=True)])
+    with b.block("head"):
+        logits = linear(b, x, "linear", WIDTH, spec.num_classes, relu_follows=False, output=spec.output_name)
+    return b.model(logits, "float32", ["N", spec.num_classes], spec.metadata(seed))
