@@ -10,15 +10,16 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``limits.py``      :class:`Limits`: declared size and structure caps (4.13 / 4.00)
 - ``errors.py``      :class:`TransportError` and the CoAP-coded errors (``NotFound`` = 4.04 ...)
 - ``message.py``     :class:`Request` (what handlers get) and :class:`Response` (what both sides return)
-- ``server.py``      :class:`TensorServer`, :class:`Observable`: resources, ``/.well-known/core``
-- ``client.py``      :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`,
-  :class:`Observation`
+- ``server.py``      :class:`TensorServer`: resources, ``/.well-known/core``
+- ``client.py``      :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`
+- ``observe.py``     RFC 7641: :class:`Observation` (client side), :class:`Observable` (server side)
 - ``linkformat.py``  RFC 6690 link format: :class:`Link`, render, parse
 - ``coap_tcp.py``    CoAP over TCP with negotiated large messages (aiocoap transport subclass)
+- ``framing.py``     RFC 8323 framing at the byte level (frame length, options, frame head)
 - ``bench.py``       the transport benchmark behind ``edgert bench transport`` / tools/bench_transport.py
 """
 
-from edgert.transport.client import ClientConfig, Observation, SyncClient, TensorClient
+from edgert.transport.client import ClientConfig, SyncClient, TensorClient
 from edgert.transport.codec import Codec, CodecStats, get_codec, measure
 from edgert.transport.envelope import (
     CONTENT_FORMAT,
@@ -45,7 +46,8 @@ from edgert.transport.errors import (
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.linkformat import Link
 from edgert.transport.message import Request, Response
-from edgert.transport.server import Observable, TensorServer
+from edgert.transport.observe import Observable, Observation
+from edgert.transport.server import TensorServer
 from edgert.transport.tensor import DTYPES, decode_tensor, encode_tensor
 
 __all__ = [

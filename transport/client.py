@@ -17,7 +17,9 @@ receivers deduplicate on (run_id, step, microbatch, stage).
 
 Payloads beyond the peer's Max-Message-Size are sent as BERT blocks by aiocoap;
 between edgert endpoints every payload up to :attr:`Limits.max_payload_bytes`
-travels as one message (see docs/PROTOCOL.md, "Large messages").
+travels as one message (see docs/PROTOCOL.md, "Large messages"). Over TCP an
+envelope's tensor data goes to the socket straight from the arrays (no encode
+copy), so leave them unchanged until the request returns; a retry re-reads them.
 
 :class:`SyncClient` gives worker threads (ORT compute) a blocking API over a
 client that lives on a loop in another thread.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,14 +46,16 @@ from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
 from edgert.transport import coap_tcp, linkformat
-from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, encode_envelope
+from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, encode_envelope_parts
 from edgert.transport.errors import MalformedMessage, PeerUnreachable, RequestTimeout
 from edgert.transport.limits import DEFAULT_LIMITS, HEAD_SLACK, Limits
 from edgert.transport.message import Response
+from edgert.transport.observe import Observation
 from edgert.transport.server import parse_url
 
 Payload = Envelope | bytes | bytearray | memoryview | None
-"""A request body: an envelope (encoded here) or raw bytes; a memoryview is sent without copying."""
+"""A request body: an envelope (encoded here) or raw bytes; tensors and memoryviews are referenced, not copied."""
+Body = tuple[coap_tcp.Buffer, ...]
 T = TypeVar("T")
 
 
@@ -170,8 +174,8 @@ class TensorClient:
         delay = self.config.backoff
         for attempt in range(retries + 1):
             try:
-                response = await asyncio.wait_for(
-                    self._once(code, scheme, hostinfo, uri_path, uri_query, body, content_format), timeout)
+                async with asyncio.timeout(timeout):  # unlike wait_for, no task per attempt
+                    response = await self._once(code, scheme, hostinfo, uri_path, uri_query, body, content_format)
             except TimeoutError:
                 failure: Exception = RequestTimeout(
                     f"{method} {url}/{path.strip('/')}: no response within {timeout} s "
@@ -191,25 +195,27 @@ class TensorClient:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _once(self, code: Code, scheme: str, hostinfo: str, uri_path: tuple[str, ...],
-                    uri_query: tuple[str, ...], body: bytes, content_format: int | None) -> Response:
-        message = self._message(code, scheme, hostinfo, uri_path, uri_query, body, content_format)
+                    uri_query: tuple[str, ...], body: Body, content_format: int | None) -> Response:
         if scheme == "coap+tcp":
             host, port = aiocoap.util.hostportsplit(hostinfo)
             connection = await self._tcp.connection(host, port)
-            if len(body) + HEAD_SLACK <= connection.peer_max_message_size:
+            if sum(map(len, body)) + HEAD_SLACK <= connection.peer_max_message_size:
+                message = self._message(code, scheme, hostinfo, uri_path, uri_query, b"", content_format)
                 message.remote = connection
-                response = await connection.request(message)
+                response = await connection.request(message, body)
                 if response.opt.block2 is not None and response.opt.block2.more:
                     response = await BlockwiseRequest._complete_by_requesting_block2(
                         self._context, message, response, self._context.log)
                 return Response.from_message(response)
+        joined = body[0] if len(body) == 1 else b"".join(body)
+        message = self._message(code, scheme, hostinfo, uri_path, uri_query, joined, content_format)
         response = await self._context.request(message).response
         if scheme == "coap":
             self._udp_remotes[hostinfo] = response.remote
         return Response.from_message(response)
 
     def _message(self, code: Code, scheme: str, hostinfo: str, uri_path: tuple[str, ...],
-                 uri_query: tuple[str, ...], body: bytes, content_format: int | None,
+                 uri_query: tuple[str, ...], body: coap_tcp.Buffer, content_format: int | None,
                  observe: int | None = None) -> Message:
         if self._context is None:
             raise RuntimeError("client is closed")
@@ -278,95 +284,6 @@ class TensorClient:
     def observe(self, url: str, path: str, *, timeout: float | None = None) -> Observation:
         """Observe (RFC 7641) ``url``/``path``: an async iterator of responses, first the current state."""
         return Observation(self, url, path, self.config.timeout if timeout is None else timeout)
-
-
-class Observation:
-    """An observation in progress; iterate it for notifications, :meth:`cancel` to stop."""
-
-    def __init__(self, client: TensorClient, url: str, path: str, timeout: float) -> None:
-        self._client = client
-        self._url = url
-        self._path = path
-        self._timeout = timeout
-        self._request = None
-        self._iterator: AsyncIterator | None = None
-        self._registration: Message | None = None
-        self.cancelled = False
-
-    def __aiter__(self) -> Observation:
-        return self
-
-    async def __anext__(self) -> Response:
-        if self.cancelled:
-            raise StopAsyncIteration
-        if self._request is None:
-            return await self._register()
-        try:
-            message = await self._iterator.__anext__()
-        except StopAsyncIteration:
-            self.cancelled = True
-            raise
-        except coap_error.NetworkError as exc:
-            self.cancelled = True
-            raise PeerUnreachable(f"observation of {self._url}/{self._path} ended: {exc}") from exc
-        return Response.from_message(message).raise_for_status()
-
-    async def _register(self) -> Response:
-        client = self._client
-        await client.start()
-        scheme, hostinfo, base = client._target(self._url)
-        uri_path = base + tuple(p for p in self._path.strip("/").split("/") if p)
-        message = client._message(Code.GET, scheme, hostinfo, uri_path, (), b"", None, observe=0)
-        self._request = client._context.request(message)
-        try:
-            first = await asyncio.wait_for(asyncio.shield(self._request.response), self._timeout)
-        except TimeoutError:
-            self.cancel()
-            raise RequestTimeout(f"observe {self._url}/{self._path}: no response within {self._timeout} s") from None
-        except coap_error.NetworkError as exc:
-            self.cancel()
-            raise PeerUnreachable(f"observe {self._url}/{self._path}: {exc}") from exc
-        response = Response.from_message(first)
-        if not response.ok or first.opt.observe is None:
-            self.cancel()
-        else:
-            self._registration = first
-            self._iterator = self._request.observation.__aiter__()
-        return response.raise_for_status()
-
-    def cancel(self) -> None:
-        """Stop receiving notifications and deregister (RFC 7641 section 3.6).
-
-        Over TCP this sends GET with Observe: 1 under the observation's token; over
-        UDP the next notification is answered with RST, which ends it as well.
-        """
-        if self.cancelled:
-            return
-        self.cancelled = True
-        self._deregister()
-        request, self._request = self._request, None
-        if request is None:
-            return
-        if not request.response.done():
-            request.response.cancel()
-        observation = request.observation
-        if observation is not None and not observation.cancelled:
-            observation.cancel()
-
-
-    def _deregister(self) -> None:
-        first, self._registration = self._registration, None
-        connection = None if first is None else first.remote
-        if not isinstance(connection, coap_tcp.LargeTcpConnection) or not connection.is_open:
-            return
-        message = Message(code=Code.GET)
-        message.opt.uri_path = first.request.opt.uri_path
-        message.opt.observe = 1
-        message.token = first.token
-        try:
-            connection._send_message(message)
-        except coap_error.NetworkError:
-            pass  # the connection is gone, and with it the observation
 
 
 class SyncClient:
@@ -454,15 +371,17 @@ def _method_code(method: str) -> Code:
     return code
 
 
-def _body(payload: Payload, codec: CodecChoice, content_format: int | None) -> tuple[bytes, int | None]:
+def _body(payload: Payload, codec: CodecChoice, content_format: int | None) -> tuple[Body, int | None]:
+    """The request body as parts (tensor data and memoryviews referenced, not copied) and its Content-Format."""
     if payload is None:
-        return b"", content_format
+        return (), content_format
     if isinstance(payload, Envelope):
-        return encode_envelope(payload, codec), CONTENT_FORMAT if content_format is None else content_format
+        parts = tuple(encode_envelope_parts(payload, codec))
+        return parts, CONTENT_FORMAT if content_format is None else content_format
     if codec is not None:
         raise ValueError("codec applies to Envelope payloads only; raw bytes are sent as they are")
     if isinstance(payload, (bytes, bytearray)):
-        return payload, content_format
-    if isinstance(payload, memoryview):  # referenced, not copied: keep it unchanged until the request ends
-        return payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload, content_format
+        return (payload,), content_format
+    if isinstance(payload, memoryview):
+        return (payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload,), content_format
     raise TypeError(f"payload must be an Envelope, bytes or None, got {type(payload).__name__}")

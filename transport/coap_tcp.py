@@ -7,8 +7,11 @@ cannot bind port 0 and binds with SO_REUSEPORT. This module subclasses it to:
 - advertise a configurable Max-Message-Size in the CSM, so a whole tensor
   message travels as one CoAP message (peers with a smaller limit still get
   BERT blocks from aiocoap's blockwise layer, which reads the peer's CSM);
-- receive each payload straight into its own ``bytearray`` (one copy, linear);
-- send the head and a large payload as two writes (no join copy);
+- receive each payload straight into its own ``bytearray``: the connection is an
+  :class:`asyncio.BufferedProtocol`, so the socket writes a large payload into it
+  (``recv_into``) and nothing copies it afterwards;
+- send the head and each large payload piece as separate writes (no join copy);
+  an envelope's tensor data goes to the socket from the arrays themselves;
 - answer an over-size request with 4.13 (and Size1) and skip its bytes instead of
   aborting the connection;
 - bind port 0 (the OS picks) without SO_REUSEPORT, and wait for the server's CSM
@@ -27,7 +30,7 @@ tests in ``tests/transport/test_coap_tcp_framing.py`` and ``test_coap_endpoints.
 exercise each of them):
 
 - ``transports.tcp``: ``TcpConnection``, ``TCPServer``, ``TCPClient`` (``_pool``,
-  ``_spawn_protocol``, ``_dispatch_incoming``, ``_dispatch_error``), ``_encode_length``;
+  ``_spawn_protocol``, ``_dispatch_incoming``, ``_dispatch_error``), ``_encode_length`` (framing.py);
 - ``transports.rfc8323common``: ``_remote_settings``, ``_process_signaling``,
   ``_send_initial_csm``, ``_my_max_message_size``, ``maximum_payload_size``;
 - ``TokenManager`` / ``MessageManager`` wiring and ``Context.request_interfaces``
@@ -42,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiocoap import Message, util
 from aiocoap import error as coap_error
@@ -50,12 +53,16 @@ from aiocoap.message import Direction
 from aiocoap.numbers.codes import Code
 from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports import rfc8323common
-from aiocoap.transports.tcp import TCPClient, TcpConnection, TCPServer, _encode_length
+from aiocoap.transports.tcp import TCPClient, TcpConnection, TCPServer
 
+from edgert.transport.framing import Buffer, _frame_length, _options_end, serialize_head
 from edgert.transport.limits import HEAD_SLACK
 
 #: Payloads at or above this size are written separately from their head.
 _SPLIT_WRITE = 64 * 1024
+
+#: Size of the reused buffer that frame heads (and small frames) are received into.
+_SCRATCH = 64 * 1024
 
 #: Seconds a new client connection waits for the server's CSM.
 CSM_TIMEOUT = 5.0
@@ -69,78 +76,12 @@ FastServer = Callable[["LargeTcpConnection", Message], bool]
 """``hook(connection, request) -> handled``: a server's fast path; False hands the request to aiocoap."""
 
 
-def _frame_length(head: bytearray | bytes) -> tuple[int, int, int] | None:
-    """(token offset, token length, bytes after the token) of the frame in ``head``, or None if incomplete."""
-    if not head:
-        return None
-    first = head[0]
-    nibble = first >> 4
-    tkl = first & 0x0F
-    if nibble < 13:
-        return 2, tkl, nibble
-    ext = {13: 1, 14: 2, 15: 4}[nibble]
-    if len(head) < 1 + ext:
-        return None
-    base = {13: 13, 14: 269, 15: 65805}[nibble]
-    return 2 + ext, tkl, int.from_bytes(head[1 : 1 + ext], "big") + base
+class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
+    """One RFC 8323 connection with a configurable Max-Message-Size and a linear receive path.
 
-
-def _options_end(buf: bytearray | bytes, start: int, end: int) -> int | None:
-    """Index of the payload marker (or ``end`` if there is no payload) in ``buf[start:end]``.
-
-    Returns None if the options are not complete in ``buf`` yet; raises
-    :class:`aiocoap.error.UnparsableMessage` on a malformed option header.
+    As a :class:`asyncio.BufferedProtocol` it receives a large payload straight into
+    the payload's own buffer (``recv_into``); heads and small frames land in a reused scratch buffer.
     """
-    pos = start
-    have = min(len(buf), end)
-    while pos < end:
-        if pos >= have:
-            return None
-        byte = buf[pos]
-        if byte == 0xFF:
-            if pos + 1 >= end:
-                raise coap_error.UnparsableMessage("payload marker without payload")
-            return pos
-        delta, length = byte >> 4, byte & 0x0F
-        if delta == 15 or length == 15:
-            raise coap_error.UnparsableMessage("reserved option nibble 15")
-        pos += 1
-        ext = (delta > 12) * (delta - 12) + (length > 12) * (length - 12)
-        if pos + ext > have:
-            return None if pos + ext <= end else _bad("option header beyond message end")
-        if delta > 12:
-            pos += delta - 12
-        if length == 13:
-            length = buf[pos] + 13
-            pos += 1
-        elif length == 14:
-            length = int.from_bytes(buf[pos : pos + 2], "big") + 269
-            pos += 2
-        pos += length
-        if pos > end:
-            raise coap_error.UnparsableMessage("option value beyond message end")
-    return end
-
-
-def _bad(text: str):
-    raise coap_error.UnparsableMessage(text)
-
-
-def serialize_head(msg: Message) -> bytes:
-    """The RFC 8323 frame of ``msg`` up to and including the payload marker (payload not included)."""
-    options = msg.opt.encode()
-    payload_len = len(msg.payload)
-    body_len = len(options) + (1 + payload_len if payload_len else 0)
-    nibble, ext = _encode_length(body_len)
-    token = msg.token
-    if len(token) > 8:
-        raise ValueError(f"token of {len(token)} bytes is longer than 8")
-    marker = b"\xff" if payload_len else b""
-    return b"".join((bytes(((nibble << 4) | len(token),)), ext, bytes((msg.code,)), token, options, marker))
-
-
-class LargeTcpConnection(TcpConnection):
-    """One RFC 8323 connection with a configurable Max-Message-Size and a linear receive path."""
 
     def __init__(self, ctx, log, loop, *, is_server: bool, max_message_size: int,
                  fast_server: FastServer | None = None) -> None:
@@ -152,6 +93,7 @@ class LargeTcpConnection(TcpConnection):
         self._fill: tuple[Message, bytearray] | None = None
         self._filled = 0
         self._discard = 0
+        self._scratch = memoryview(bytearray(_SCRATCH))
         self.csm_received: asyncio.Future = loop.create_future()
 
     @property
@@ -171,35 +113,69 @@ class LargeTcpConnection(TcpConnection):
         """Whether messages can still be sent on this connection."""
         return self._transport is not None and not self._transport.is_closing() and self._ctx is not None
 
-    async def request(self, message: Message) -> Message:
-        """Fast path: send ``message`` (a request fitting the peer's Max-Message-Size) and await its response."""
+    async def request(self, message: Message, parts: Sequence[Buffer] | None = None) -> Message:
+        """Fast path: send ``message`` (a request fitting the peer's Max-Message-Size) and await its response.
+
+        ``parts``, if given, is the payload in pieces (see :meth:`_send_message`).
+        """
         token = bytes((FAST_TOKEN_PREFIX,)) + next(_fast_tokens).to_bytes(7, "big")
         message.token = token
         future = self.loop.create_future()
         self._pending[token] = future
         try:
-            self._send_message(message)
+            self._send_message(message, parts)
             return await future
         finally:
             self._pending.pop(token, None)
 
     # -- sending ---------------------------------------------------------
 
-    def _send_message(self, msg: Message) -> None:
+    def _send_message(self, msg: Message, parts: Sequence[Buffer] | None = None) -> None:
+        """Write ``msg`` as one frame; ``parts`` (1-D byte buffers), if given, replace ``msg.payload``.
+
+        Small pieces are joined; each large one is written by reference, so the only
+        copy is the socket's (or asyncio's write buffer's, for what the socket does not take at once).
+        """
         if self._transport is None or self._transport.is_closing():
             raise coap_error.NetworkError(f"connection to {self.hostinfo} is closed")
-        head = serialize_head(msg)
-        payload = msg.payload
-        if len(payload) >= _SPLIT_WRITE:
-            self._transport.write(head)
+        if parts is None:
+            parts = (msg.payload,) if msg.payload else ()
+        size = sum(map(len, parts))
+        write = self._transport.write
+        if size < _SPLIT_WRITE:
+            write(b"".join((serialize_head(msg, size), *parts)))
+            return
+        small: list[Buffer] = [serialize_head(msg, size)]
+        for part in parts:
+            if len(part) < _SPLIT_WRITE:
+                small.append(part)
+                continue
+            if small:
+                write(b"".join(small))
+                small = []
             # a memoryview keeps asyncio's partial-send path from slicing (copying) the rest
-            self._transport.write(memoryview(payload))
-        else:
-            self._transport.write(head + bytes(payload) if payload else head)
+            write(memoryview(part))
+        if small:
+            write(b"".join(small))
 
     # -- receiving -------------------------------------------------------
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._fill is not None:
+            return memoryview(self._fill[1])[self._filled:]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._fill is None:
+            self.data_received(self._scratch[:nbytes])
+            return
+        self._filled += nbytes
+        msg, payload = self._fill
+        if self._filled == len(payload):
+            self._fill = None
+            self._deliver(msg)
+
+    def data_received(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
             if self._discard:
@@ -326,7 +302,10 @@ class LargeTcpConnection(TcpConnection):
                 return True
         elif self._fast_server is not None and self._fast_server(self, msg):
             return True
-        self._ctx._dispatch_incoming(self, msg)
+        try:
+            self._ctx._dispatch_incoming(self, msg)
+        except AttributeError:  # the context was shut down under this connection: nobody is listening
+            return False
         return True
 
     def connection_lost(self, exc) -> None:

@@ -116,6 +116,15 @@ def encode_envelope(env: Envelope, codec: CodecChoice = None) -> bytes:
     is copied exactly once (into the returned bytes) when the codec is ``none``.
     Pass codec *instances* for stateful codecs (top-k) so residuals persist.
     """
+    return b"".join(encode_envelope_parts(env, codec))
+
+
+def encode_envelope_parts(env: Envelope, codec: CodecChoice = None) -> list[bytes | memoryview]:
+    """:func:`encode_envelope` as consecutive parts whose concatenation is the wire bytes.
+
+    ``none`` tensors are referenced (a 1-D byte ``memoryview`` of the array), not
+    copied: the arrays must stay unchanged while the parts are in use.
+    """
     if not isinstance(env, Envelope):
         raise TypeError(f"expected an Envelope, got {type(env).__name__}")
     pick = _codec_picker(codec)
@@ -134,7 +143,7 @@ def encode_envelope(env: Envelope, codec: CodecChoice = None) -> bytes:
     if env.meta:
         writer.write(_KEYS["meta"])
         _write_meta(writer, env.meta)
-    return writer.getvalue()
+    return writer.parts
 
 
 def _text(value: str) -> bytes:

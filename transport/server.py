@@ -48,6 +48,7 @@ from edgert.transport.errors import (
 )
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import TEXT, Request, Response
+from edgert.transport.observe import Observable
 
 log = logging.getLogger("edgert.transport.server")
 
@@ -212,39 +213,6 @@ class TensorServer:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.shutdown()
-
-
-class Observable:
-    """Handle of an observable resource: :meth:`notify` sets its value and informs every observer."""
-
-    def __init__(self, endpoint: _ObservableEndpoint, initial: HandlerResult) -> None:
-        self._endpoint = endpoint
-        self._value = initial
-
-    async def _latest_value(self, request: Request) -> HandlerResult:
-        return self._value
-
-    def notify(self, value: HandlerResult = None) -> None:
-        """Replace the value (if given) and notify each observer; callable from any thread."""
-        loop = self._endpoint.server._loop
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if loop is not None and running is not loop:
-            loop.call_soon_threadsafe(self._notify_here, value)
-        else:
-            self._notify_here(value)
-
-    def _notify_here(self, value: HandlerResult) -> None:
-        if value is not None:
-            self._value = value
-        self._endpoint.updated_state()
-
-    @property
-    def observers(self) -> int:
-        """How many observations are registered right now."""
-        return len(self._endpoint._observations)
 
 
 class _CappedBlock1Spool(Block1Spool):

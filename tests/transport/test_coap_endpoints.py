@@ -21,7 +21,9 @@ from edgert.transport import (
     SyncClient,
     TensorClient,
     TensorServer,
+    encode_envelope,
 )
+from edgert.transport.client import _body
 from edgert.transport.limits import MiB
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,6 +73,14 @@ def test_large_messages_travel_as_one_message(live):
     assert np.array_equal(live.received[-1].tensors["x"], x)
     weights = live.client.fetch(live.tcp, "weights", query={"bytes": str(6 * MiB)})
     assert weights.tensors["w"].nbytes == 6 * MiB and weights.tensors["w"][-1] == 6 * MiB // 4 - 1
+
+
+def test_envelope_bodies_reference_tensor_data_instead_of_copying_it():
+    x = np.arange(100_000, dtype=np.float32)
+    env = Envelope("activations", tensors={"x": x})
+    parts, content_format = _body(env, None, None)
+    assert content_format == 60 and b"".join(parts) == encode_envelope(env)
+    assert any(isinstance(p, memoryview) and np.shares_memory(np.frombuffer(p, np.uint8), x) for p in parts)
 
 
 def test_bert_when_the_server_advertises_a_small_message_size(live):
@@ -322,3 +332,42 @@ def test_resources_can_be_removed(live):
     assert "/temporary" not in {link.href for link in live.client.discover(live.tcp)}
     with pytest.raises(KeyError, match="no removable resource"):
         live.server.remove_resource(".well-known/core")
+
+
+def test_handlers_that_suspend_finish_in_a_task_and_can_be_cancelled():
+    async def scenario():
+        gate = asyncio.Event()
+        started = []
+
+        async def waits(request):
+            started.append(request.query["n"])
+            await gate.wait()
+            if request.query["n"] == "boom":
+                raise ValueError("after suspending")
+            return b"done " + request.query["n"].encode()
+
+        async def never(request):
+            await asyncio.Event().wait()
+
+        server = TensorServer("coap+tcp://127.0.0.1:0")
+        server.add_resource("waits", get=waits, rt="edgert.test", envelope=False)
+        server.add_resource("never", get=never, rt="edgert.test", envelope=False)
+        await server.start()
+        async with TensorClient(ClientConfig(timeout=5, retries=0)) as client:
+            calls = [asyncio.ensure_future(client.get(server.url(), "waits", query={"n": n}, raise_for_status=False))
+                     for n in ("1", "2", "boom")]
+            hanging = asyncio.ensure_future(client.get(server.url(), "never", retries=0, timeout=5))
+            while len(started) < 3 or len(server._tasks) < 4:  # each suspended handler goes on in a task
+                await asyncio.sleep(0.01)
+            assert not any(call.done() for call in calls)
+            gate.set()
+            answers = await asyncio.gather(*calls)
+            await server.shutdown()  # cancels the handler still waiting
+            with pytest.raises(PeerUnreachable):
+                await hanging
+        return answers, len(server._tasks)
+
+    answers, left = asyncio.run(scenario())
+    assert [a.payload for a in answers[:2]] == [b"done 1", b"done 2"]
+    assert answers[2].code == Code.INTERNAL_SERVER_ERROR and b"after suspending" in answers[2].payload
+    assert left == 0

@@ -1,5 +1,7 @@
 """CoAP over TCP (RFC 8323) at the byte level: framing, fragmented delivery, over-size frames, garbage."""
 
+import asyncio
+import logging
 import socket
 
 import numpy as np
@@ -9,7 +11,9 @@ from aiocoap.numbers.codes import Code
 from aiocoap.transports.tcp import _serialize
 
 from edgert.transport import Envelope, decode_envelope, encode_envelope
-from edgert.transport.coap_tcp import _frame_length, _options_end, serialize_head
+from edgert.transport.coap_tcp import LargeTcpConnection
+from edgert.transport.framing import _frame_length, _options_end, serialize_head
+from edgert.transport.limits import MiB
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,6 +82,10 @@ def test_options_end_handles_partial_and_bad_input():
     assert data[_options_end(data, token_at + tkl, total) + 1:] == b"abc"
     assert _options_end(data[:token_at + tkl + 2], token_at + tkl, total) is None
     assert _frame_length(b"\xd0") is None and _frame_length(b"") is None
+    bare = frame(Code.GET, path=("weights",))  # no payload: the options run to the end of the frame
+    token_at, tkl, rest = _frame_length(bare)
+    assert _options_end(bare, token_at + tkl, len(bare)) == len(bare)
+    assert _options_end(bare[:-2], token_at + tkl, len(bare)) is None
 
 
 def test_fragmented_and_coalesced_frames(live):
@@ -147,3 +155,80 @@ def test_request_before_csm_is_refused(live, still_serving):
             data += chunk
     assert b"No CSM received" in data
     still_serving()
+
+
+class _Transport:
+    """Collects what a connection writes."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, data):
+        self.writes.append(data)
+
+    def is_closing(self):
+        return False
+
+    def close(self):
+        pass
+
+
+class _Ctx:
+    _scheme = "coap+tcp"
+
+
+@pytest.fixture
+def connection():
+    """A server-side LargeTcpConnection on a fake transport that has seen the peer's CSM."""
+    loop = asyncio.new_event_loop()
+    delivered = []
+    conn = LargeTcpConnection(_Ctx(), logging.getLogger("test"), loop, is_server=True,
+                              max_message_size=64 * MiB, fast_server=lambda c, m: delivered.append(m) or True)
+    conn._transport = _Transport()
+    conn._remote_settings = {"max-message-size": 64 * MiB}
+    conn.delivered = delivered
+    yield conn
+    loop.close()
+
+
+def feed(conn, data, chunk):
+    """Deliver ``data`` the way asyncio does for a BufferedProtocol: recv_into get_buffer(), up to ``chunk`` bytes."""
+    used = []
+    pos = 0
+    while pos < len(data):
+        buf = conn.get_buffer(-1)
+        count = min(len(buf), chunk, len(data) - pos)
+        buf[:count] = data[pos:pos + count]
+        used.append((buf.obj, count))
+        pos += count
+        conn.buffer_updated(count)
+    return used
+
+
+@pytest.mark.parametrize("count, chunk", [(2000, 1), (300_000, 1000), (300_000, 65536), (300_000, 1 << 22)])
+def test_large_payloads_are_received_in_place(connection, count, chunk):
+    body = encode_envelope(Envelope("activations", tensors={"x": np.arange(count, dtype=np.float32)}))
+    stream = (frame(Code.POST, b"\x01", payload=body, content_format=60) + frame(Code.GET, b"\x02", ("weights",))
+              + frame(Code.POST, b"\x03", payload=b"tail"))
+    used = feed(connection, stream, chunk)
+    got = connection.delivered
+    assert connection._transport.writes == []  # nothing refused or aborted
+    assert [m.token for m in got] == [b"\x01", b"\x02", b"\x03"]
+    assert got[0].payload == body and got[2].payload == b"tail" and got[1].opt.uri_path == ("weights",)
+    in_place = sum(n for target, n in used if target is got[0].payload)
+    assert in_place >= len(body) - 65536  # all but what arrived with the head went straight into the payload
+    assert decode_envelope(got[0].payload).tensors["x"][-1] == count - 1
+
+
+def test_parts_are_written_by_reference(connection):
+    x = np.arange(100_000, dtype=np.float32)
+    parts = [b"\xa1\x61x", memoryview(x).cast("B"), b"tail"]
+    message = Message(code=Code.CONTENT)
+    message.token = b"\x09"
+    connection._send_message(message, parts)
+    writes = connection._transport.writes
+    assert b"".join(writes) == _serialize(Message(code=Code.CONTENT, payload=b"".join(parts), _token=b"\x09"))
+    assert any(isinstance(w, memoryview) and np.shares_memory(np.frombuffer(w, np.uint8), x) for w in writes)
+    small = Message(code=Code.CONTENT, payload=b"abc", _token=b"\x0a")
+    connection._send_message(small)
+    assert writes[-1] == _serialize(small)

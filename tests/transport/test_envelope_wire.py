@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from edgert.transport import Envelope, decode_envelope, encode_envelope
+from edgert.transport.envelope import encode_envelope_parts
 from edgert.transport.errors import MalformedMessage, TooLarge, UnsupportedContentFormat
 from edgert.transport.limits import Limits
 
@@ -125,3 +126,12 @@ def test_decoded_tensors_are_views_of_the_payload():
     env = decode_envelope(payload)
     assert np.shares_memory(env.tensors["h"], np.frombuffer(payload, np.uint8))
     assert env.tensors["h"].flags.aligned and env.tensors["h"].flags.writeable
+
+
+def test_parts_reference_tensor_data_and_join_to_the_wire_bytes():
+    env = make(tensors={"h": np.arange(50_000, dtype=np.float32), "m": np.arange(3, dtype=np.uint8)})
+    parts = encode_envelope_parts(env)
+    assert b"".join(parts) == encode_envelope(env)
+    assert any(np.shares_memory(np.frombuffer(part, np.uint8), env.tensors["h"])
+               for part in parts if isinstance(part, memoryview))
+    assert all(len(part) == memoryview(part).nbytes for part in parts)  # lengths are byte counts
