@@ -8,6 +8,17 @@ Map of the package (the folder layout is the architecture):
   - ``manifest.py``       :class:`Manifest`: the on-disk plan format (docs/MANIFEST.md)
   - ``stage.py``          :class:`StageSession`: one stage's forward/backward over ORT Training
   - ``optimizer.py``      AdamW / SGD with optimizer state readable and writable by name
+  - ``schedule.py``       gpipe / 1f1b / async action lists, and ``simulate``
+  - ``executor.py``       :class:`StageExecutor`: walks a stage's schedule on the compute thread
+  - ``inbox.py``          tensors from the network, waited for by the compute thread
+  - ``worker*.py``        ``edgert worker``: resources, compute thread, state, measurement
+  - ``protocol.py``       the runtime's messages (docs/PROTOCOL.md, section 9)
+  - ``coordinator*.py``   ``edgert train``: run, re-plan, recover; ``ledger.py`` the step reports
+  - ``assignment.py``     stages onto workers, state migration between workers
+  - ``replica.py``, ``recovery.py``  copies for recovery; failure detection, snapshots
+  - ``weights.py``        :class:`StageState`: a stage's state as one message / file
+  - ``devices.py``, ``profiler.py``  devices.json; measuring a stage on this device
+  - ``data.py``, ``evaluation.py``, ``runlog.py``, ``progress.py``, ``localcluster.py``
   - ``cli/``              the ``edgert`` command line
 - ``edgert.exporter``     host side: analyse, slice, build artifacts, check (needs ``onnx``)
 - ``edgert.transport``    CoAP resources and client, CBOR tensors, compression codecs

@@ -40,6 +40,9 @@ class LinkSettings:
     backward_threads: int = 1
     wait_timeout: float = 120.0
     memory_mode: str = "recompute"
+    replicate_every: int = 0
+    central_every: int = 0
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
             run_id=settings.run_id, entry=entry, training=settings.training, stages=stages, peers=peers,
             forward_codec=settings.forward_codec, backward_codec=settings.backward_codec,
             forward_threads=settings.forward_threads, backward_threads=settings.backward_threads,
-            wait_timeout=settings.wait_timeout, memory_mode=settings.memory_mode)
+            wait_timeout=settings.wait_timeout, memory_mode=settings.memory_mode,
+            replicate_every=settings.replicate_every, central_every=settings.central_every,
+            replica_targets=ring_neighbours(order, k, settings.replicas))
         roles = needed_roles(entry, settings.memory_mode)
         files = {a.role: (plan_dir / a.path).read_bytes() for a in entry.artifacts if a.role in roles}
         try:
@@ -73,6 +78,12 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
             raise AssignmentError(f"worker {names[k]} ({order[k]}) refused stage {k}: {error}") from None
 
     await asyncio.gather(*(one(k) for k in range(stages)))
+
+
+def ring_neighbours(order: list[str], k: int, replicas: int) -> tuple[str, ...]:
+    """The next ``replicas`` workers after stage ``k`` in the ring (last -> first), never itself."""
+    count = min(replicas, len(order) - 1)
+    return tuple(order[(k + i) % len(order)] for i in range(1, count + 1))
 
 
 def owners(manifest: Manifest, order: list[str]) -> dict[str, str]:

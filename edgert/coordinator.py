@@ -25,14 +25,30 @@ from typing import Any
 
 import numpy as np
 
-from edgert.assignment import LinkSettings, assign, migrate, with_learning_rate
+from edgert.assignment import AssignmentError, LinkSettings, assign, with_learning_rate
+from edgert.coordinator_recovery import RecoveryMixin
+from edgert.coordinator_replan import ReplanMixin
 from edgert.data import Batch, batches, load_training_data
-from edgert.errors import EdgertError
+from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
 from edgert.ledger import StepLedger
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, Manifest, load_manifest
 from edgert.progress import Progress
-from edgert.protocol import BATCH, HEALTH, REPORT, RUN, STOP, WEIGHTS, Health, Segment, reports_from_envelope
+from edgert.protocol import (
+    BATCH,
+    HEALTH,
+    JOIN,
+    REPLICA,
+    REPORT,
+    RUN,
+    STOP,
+    WEIGHTS,
+    Health,
+    Segment,
+    reports_from_envelope,
+    truncate_envelope,
+)
+from edgert.recovery import CentralCopies, FailureWatch, WorkerFailure
 from edgert.runlog import RunLog
 from edgert.schedule import SCHEDULES
 from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
@@ -40,10 +56,6 @@ from edgert.transport.server import parse_url
 from edgert.weights import StageState, save_state
 
 log = logging.getLogger("edgert.coordinator")
-
-
-class TrainingError(EdgertError):
-    """The run could not start or could not go on."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,10 @@ class TrainConfig:
     replan_at: tuple[tuple[int, tuple[int, ...] | None], ...] = ()  # forced: (before step, block cuts or None)
     devices: Path | None = None
     memory_mode: str = "recompute"  # recompute | stash
+    replicate_every: int = 20  # steps between each stage's copies to the next workers (0: off)
+    central_every: int = 100  # steps between copies to the coordinator, kept on disk (0: off)
+    replicas: int = 1  # neighbours each stage's copy goes to
+    resume: bool = False  # continue the run in out_dir from its newest snapshot
 
 
 @dataclass
@@ -96,9 +112,10 @@ class RunSummary:
     workers: list[str] = field(default_factory=list)
     schedule: str = ""
     replans: int = 0
+    recoveries: int = 0
 
 
-class Coordinator:
+class Coordinator(RecoveryMixin, ReplanMixin):
     """Runs one training job over a set of workers."""
 
     def __init__(self, config: TrainConfig):
@@ -106,7 +123,7 @@ class Coordinator:
         self._check_config()
         self.plan_dir = config.plan_dir
         self.manifest: Manifest = load_manifest(config.plan_dir)
-        if len(config.workers) != len(self.manifest.stages):
+        if len(config.workers) != len(self.manifest.stages) and not config.resume:
             raise TrainingError(f"the plan has {len(self.manifest.stages)} stages but {len(config.workers)} "
                                 f"worker(s) were given; give one --workers URL per stage")
         self.run_id = config.out_dir.name or "run"
@@ -114,6 +131,15 @@ class Coordinator:
         self.client = TensorClient(ClientConfig(timeout=30.0, retries=2, connect_timeout=config.connect_timeout))
         self.server = TensorServer(config.listen)
         self.server.add_resource(REPORT, post=self._on_report, rt="edgert.report", kinds=("report",))
+        self.server.add_resource(REPLICA, put=self._on_replica, rt="edgert.replica", kinds=("weights",))
+        self.server.add_resource(JOIN, post=self._on_join, rt="edgert.join", kinds=("control",))
+        self.server.add_resource(WEIGHTS, fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("control",))
+        self.central = CentralCopies(config.out_dir / "snapshots")
+        self.watch: FailureWatch | None = None
+        self._failed: set[str] = set()
+        self._noticed = 0.0
+        self._recoveries = 0
+        self._membership_changed = False
         self.order: list[str] = list(config.workers)  # worker URL of each stage
         self.names: list[str] = []
         self.known: dict[str, str] = {}  # worker URL -> name
@@ -124,6 +150,7 @@ class Coordinator:
         self._train_seconds = 0.0
         self._progress: Progress | None = None
         self._settings: LinkSettings | None = None
+        self._evaluator: Evaluator | None = None
 
     def _check_config(self) -> None:
         config = self.config
@@ -151,12 +178,23 @@ class Coordinator:
             await self.server.start()
             await self._connect_workers()
             self._write_run_files()
-            if self.config.replan == "auto" or self.config.replan_at:
+            if self.config.replan == "auto" or self.config.replan_at or self._fault_tolerant:
                 self.replanner = self._make_replanner()
-            await self._assign_stages()
-            test = await self._train()
+                if self.config.devices is None:
+                    await self._profile_workers(dict(self.known))
+            if self.config.resume:
+                self._prepare_settings()
+                start = await self._resume_from_snapshot()
+            else:
+                await self._assign_stages()
+                start = 0
+            self.watch = FailureWatch(self.client, self._on_worker_failure)
+            self.watch.watch(list(self.known))
+            test = await self._train(start)
             return self._summary(test)
         finally:
+            if self.watch is not None:
+                await self.watch.close()
             await self._release_workers()
             if self._progress is not None:
                 self._progress.close()
@@ -190,17 +228,12 @@ class Coordinator:
                                          "plan": str(self.config.plan_dir.resolve()),
                                          "stages": len(self.manifest.stages)})
 
-    def _make_replanner(self):
-        try:
-            from edgert.exporter.replanner import Replanner
-        except ImportError as error:
-            raise TrainingError(f"re-planning needs the host extra (onnx): {error}") from None
-        return Replanner(self.config.plan_dir, self.manifest, self.config.out_dir / "stage-cache",
-                         devices=self.config.devices, threshold=self.config.replan_threshold,
-                         batch_size=self.config.batch_size, micro_batches=self.config.micro_batches,
-                         schedule=self.config.schedule)
+    @property
+    def _fault_tolerant(self) -> bool:
+        return bool(self.config.replicate_every or self.config.central_every)
 
-    async def _assign_stages(self) -> None:
+    def _prepare_settings(self) -> None:
+        """What every stage assignment of this run carries."""
         scheme, _, port = parse_url(self.server.urls[0])
         host = self.config.advertise or _local_address_towards(self.config.workers[0])
         self._settings = LinkSettings(
@@ -208,7 +241,12 @@ class Coordinator:
             training=with_learning_rate(self.manifest.training, self.config.learning_rate),
             forward_codec=self.config.forward_codec, backward_codec=self.config.backward_codec,
             forward_threads=self.config.forward_threads, backward_threads=self.config.backward_threads,
-            wait_timeout=self.config.step_timeout, memory_mode=self.config.memory_mode)
+            wait_timeout=self.config.step_timeout, memory_mode=self.config.memory_mode,
+            replicate_every=self.config.replicate_every, central_every=self.config.central_every,
+            replicas=self.config.replicas)
+
+    async def _assign_stages(self) -> None:
+        self._prepare_settings()
         started = time.perf_counter()
         try:
             await assign(self.client, self.manifest, self.plan_dir, self.order, self.names, self._settings)
@@ -230,27 +268,40 @@ class Coordinator:
 
     # -- training ----------------------------------------------------------------------------
 
-    async def _train(self) -> tuple[float | None, float | None]:
+    async def _train(self, start_step: int = 0) -> tuple[float | None, float | None]:
         config = self.config
         plan = list(batches(len(self.dataset.x_train), config.batch_size, config.epochs, config.seed, config.steps))
         if not plan:
             raise TrainingError("no training step to run: the data set is smaller than one batch")
         self._progress = Progress(len(plan), enabled=config.progress)
-        evaluator = Evaluator(self.plan_dir, self.manifest)
+        self._evaluator = Evaluator(self.plan_dir, self.manifest)
         test: tuple[float | None, float | None] = (None, None)
-        for chunk, ends_epoch in self._chunks(plan):
-            started = time.perf_counter()
-            await self._run_segment(chunk)
-            self._train_seconds += time.perf_counter() - started
-            if ends_epoch:
-                test = await self._evaluate(evaluator, chunk[-1].epoch, chunk[-1].step)
-            if chunk[-1] is not plan[-1] and await self._maybe_replan(chunk[-1].step + 1):
-                evaluator = Evaluator(self.plan_dir, self.manifest)
+        position = next((k for k, batch in enumerate(plan) if batch.step >= start_step), len(plan))
+        while position < len(plan):
+            chunk, ends_epoch = self._chunks(plan[position:])[0]
+            try:
+                while chunk:
+                    started = time.perf_counter()
+                    done = await self._run_segment(chunk)
+                    self._train_seconds += time.perf_counter() - started
+                    position += done
+                    chunk = chunk[done:]
+                    self.ledger.reset_timing()
+                if ends_epoch:
+                    test = await self._evaluate(self._evaluator, plan[position - 1].epoch, plan[position - 1].step)
+                if position < len(plan) and plan[position].step in dict(config.replan_at):
+                    await self._forced_replan(plan[position].step)
+            except (WorkerFailure, TransportError, AssignmentError) as error:
+                failure = await self._as_failure(error)
+                if not self._fault_tolerant:
+                    raise TrainingError(f"{failure} (fault tolerance is off: --replicate-every 0)") from None
+                resume = await self._recover(failure)
+                position = next(k for k, batch in enumerate(plan) if batch.step == resume)
             self.ledger.reset_timing()
         return test
 
     def _chunks(self, plan: list[Batch]) -> list[tuple[list[Batch], bool]]:
-        """Segments: an epoch, cut further where a re-plan may happen."""
+        """Segments: an epoch, cut before every forced re-plan."""
         forced = {step for step, _ in self.config.replan_at}
         chunks: list[tuple[list[Batch], bool]] = []
         current: list[Batch] = []
@@ -258,16 +309,18 @@ class Coordinator:
             current.append(batch)
             following = plan[k + 1] if k + 1 < len(plan) else None
             ends_epoch = following is None or following.epoch != batch.epoch
-            boundary = following is not None and (
-                following.step in forced
-                or (self.config.replan == "auto" and following.step % self.config.replan_every == 0))
-            if ends_epoch or boundary:
+            if ends_epoch or (following is not None and following.step in forced):
                 chunks.append((current, ends_epoch))
                 current = []
         return chunks
 
-    async def _run_segment(self, plan: list[Batch]) -> None:
-        """Tell every worker to run these steps, then feed them, ``lookahead`` steps ahead."""
+    async def _run_segment(self, plan: list[Batch]) -> int:
+        """Run these steps, feeding them ``lookahead`` steps ahead; returns how many ran.
+
+        With re-planning on, every ``replan_every`` completed steps the current placement is
+        checked while the pipeline keeps going; a re-plan cuts the segment at the last step
+        whose data was sent, drains, moves the cuts, and returns early.
+        """
         config = self.config
         stages = len(self.manifest.stages)
         segment = Segment(config.schedule, stages, plan[0].step, len(plan), config.batch_size, config.micro_batches)
@@ -277,13 +330,31 @@ class Coordinator:
         await asyncio.gather(*(self.client.send(url, RUN, envelope) for url in self.order))
         ahead = config.lookahead + (stages if config.schedule == "async" else 0)
         in_flight: deque[int] = deque()
-        for batch in plan:
+        since_check = 0
+        for sent, batch in enumerate(plan):
             while len(in_flight) >= ahead:
                 await self._wait_step(in_flight.popleft())
+                since_check += 1
+                if (config.replan == "auto" and since_check >= config.replan_every) or self._membership_changed:
+                    since_check, self._membership_changed = 0, False
+                    proposal = await self._check_placement()
+                    if proposal is not None:
+                        await self._cut_segment(plan[sent - 1].step, in_flight, plan[sent:])
+                        await self._repartition(proposal, plan[sent].step)
+                        return sent
             await self._send_batch(batch)
             in_flight.append(batch.step)
         for step in in_flight:
             await self._wait_step(step)
+        return len(plan)
+
+    async def _cut_segment(self, last_step: int, in_flight: deque[int], unsent: list[Batch]) -> None:
+        """Stop the workers after ``last_step`` and let the pipeline drain."""
+        message = truncate_envelope(self.run_id, last_step)
+        await asyncio.gather(*(self.client.send(url, RUN, message) for url in self.order))
+        for step in in_flight:
+            await self._wait_step(step)
+        self.ledger.forget([batch.step for batch in unsent])
 
     async def _send_batch(self, batch: Batch) -> None:
         """The step's inputs to the first stage and labels to the last: one message each (one in all)."""
@@ -294,13 +365,6 @@ class Coordinator:
         await asyncio.gather(*(self.client.send(url, BATCH, Envelope(kind="batch", run_id=self.run_id,
                                                                      step=batch.step, tensors=tensors))
                                for url, tensors in messages))
-
-    async def _wait_step(self, step: int) -> None:
-        if not await self.ledger.wait(step, self.config.step_timeout):
-            names = ", ".join(f"stage {k} ({self.names[k]})" for k in self.ledger.missing(step))
-            raise TrainingError(f"step {step}: no report from {names} within {self.config.step_timeout:.0f} s")
-        if self.ledger.failure:
-            raise TrainingError(self.ledger.failure)
 
     async def _on_report(self, request: Request) -> None:
         envelope = request.envelope
@@ -319,49 +383,6 @@ class Coordinator:
             self._progress.update(self.ledger.completed, epoch=record.epoch + 1, loss=record.loss,
                                   acc=record.accuracy,
                                   **{"samples/s": round(record.samples / max(record.step_ms, 1e-9) * 1000, 1)})
-
-    # -- re-planning ---------------------------------------------------------------------------
-
-    async def _maybe_replan(self, next_step: int) -> bool:
-        if self.replanner is None:
-            return False
-        forced = dict(self.config.replan_at)
-        measured = self.ledger.stage_compute_ms(self.config.replan_every)
-        step_ms = self.ledger.median_step_ms(self.config.replan_every)
-        self.replanner.observe(self.manifest, self.names, measured, step_ms)
-        if next_step in forced:
-            proposal = self.replanner.propose(self.manifest, self.names, force=True, cuts=forced[next_step])
-        else:
-            proposal = self.replanner.propose(self.manifest, self.names)
-        if proposal is None:
-            return False
-        await self._repartition(proposal, next_step)
-        return True
-
-    async def _repartition(self, proposal, next_step: int) -> None:
-        started = time.perf_counter()
-        self.replans += 1
-        folder = self.config.out_dir / "plans" / f"plan{self.replans}"
-        loop = asyncio.get_running_loop()
-        manifest = await loop.run_in_executor(None, self.replanner.build, list(proposal.cuts), folder)
-        by_name = {name: url for url, name in self.known.items()}
-        order = [by_name[name] for name in proposal.workers]
-        old_manifest, old_order, old_cuts = self.manifest, self.order, list(self.manifest.cuts)
-        try:
-            await assign(self.client, manifest, folder, order, list(proposal.workers), self._settings)
-            moved = await migrate(self.client, self.run_id, old_manifest, old_order, manifest, order)
-        except EdgertError as error:
-            raise TrainingError(f"re-partition before step {next_step} failed: {error}") from None
-        self.manifest, self.plan_dir, self.order, self.names = manifest, folder, order, list(proposal.workers)
-        self.ledger.configure(self.names)
-        pause = time.perf_counter() - started
-        self.replanner.record_pause(pause)
-        self.log.event("replan", before_step=next_step, reason=proposal.reason, old_cuts=old_cuts,
-                       new_cuts=list(manifest.cuts), workers=self.names, predicted_gain=round(proposal.gain, 3),
-                       pause_s=round(pause, 3), bytes_moved=moved.bytes, migrate_s=round(moved.seconds, 3))
-        if self._progress is not None:
-            self._progress.message(f"re-planned before step {next_step} ({proposal.reason}): cuts "
-                                   f"{old_cuts} -> {list(manifest.cuts)}, paused {pause:.2f} s")
 
     # -- evaluation and checkpoints ----------------------------------------------------------
 
@@ -404,7 +425,8 @@ class Coordinator:
             samples_per_s=round(self.ledger.samples / wall, 2), train_loss=self.ledger.last_loss,
             test_loss=test[0], test_accuracy=test[1],
             stage_utilisation=[round(self.ledger.busy_ms.get(n, 0.0) / 1000 / wall, 4) for n in self.names],
-            workers=self.names if self.names else names, schedule=self.config.schedule, replans=self.replans)
+            workers=self.names if self.names else names, schedule=self.config.schedule, replans=self.replans,
+            recoveries=self._recoveries)
         self.log.record("summary", **dataclasses.asdict(summary))
         return summary
 
@@ -422,6 +444,22 @@ def _local_address_towards(url: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     finally:
         probe.close()
+
+
+def resumed_config(run_dir: Path, workers: list[str] | None = None) -> TrainConfig:
+    """The config of the run in ``run_dir`` (its run.json), set to resume; workers may be replaced."""
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        raise TrainingError(f"{run_dir}: no run.json; is this a run folder written by `edgert train`?")
+    saved = json.loads(path.read_text())["config"]
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in saved.items() if k in fields}
+    for name in ("plan_dir", "out_dir", "devices"):
+        if values.get(name) is not None:
+            values[name] = Path(values[name])
+    values["workers"] = tuple(workers) if workers else tuple(values["workers"])
+    values["replan_at"] = tuple((step, tuple(cuts) if cuts else None) for step, cuts in values.get("replan_at", ()))
+    return TrainConfig(**{**values, "resume": True})
 
 
 def train(config: TrainConfig) -> RunSummary:

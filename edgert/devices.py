@@ -25,6 +25,7 @@ class BlockTiming:
     forward_ms: float
     backward_ms: float  # the backward call: recomputed forward + gradients
     peak_bytes: int = 0  # memory the block's backward needed beyond the resident state
+    optimizer_ms: float = 0.0  # one optimizer step over the block's parameters
 
 
 @dataclass(frozen=True)

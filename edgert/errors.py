@@ -16,5 +16,9 @@ class StageError(EdgertError):
     """A stage was given inputs it cannot run on (wrong names, shapes or dtypes)."""
 
 
+class TrainingError(EdgertError):
+    """A training run could not start or could not go on."""
+
+
 class MissingDependencyError(EdgertError):
     """An optional dependency (the ``host`` extra, torch) is needed but not installed."""

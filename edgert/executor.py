@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgert.inbox import Inbox
+from edgert.inbox import Inbox, InboxSkipped
 from edgert.schedule import stage_actions
 from edgert.slowdown import SlowdownSchedule
 from edgert.stage import StageSession
 
 Key = tuple[int, int]  # (step, micro-batch index within the step)
+ACTIVITY = {"F": "forward", "B": "backward", "S": "step"}
 Sender = Callable[[Key, dict[str, np.ndarray]], None]
 StepCallback = Callable[["StepReport"], None]
 
@@ -73,6 +74,8 @@ class StepReport:
     idle_ms: float = 0.0
     send_ms: float = 0.0
     slowdown_ms: float = 0.0
+    replication_ms: float = 0.0
+    replicated_bytes: int = 0
     started: float = 0.0
     finished: float = 0.0
     spans: list[tuple[str, float, float]] = field(default_factory=list)
@@ -100,6 +103,7 @@ class StageExecutor:
         self._stash: dict[int, dict[str, np.ndarray]] = {}
         self._stash_version: dict[Key, int] = {}
         self._version = 0
+        self.activity = "idle"  # what the compute thread is doing now, for /health
 
     @property
     def is_first(self) -> bool:
@@ -118,18 +122,33 @@ class StageExecutor:
         actions = stage_actions(window.schedule, self.stage, window.stages, len(batches))
         reports = {step: StepReport(step=step, stage=self.stage, started=time.time()) for step in window.steps}
         last_backward: MicroBatch | None = None
+        done = []
         for action in actions:
-            if action.kind == "F":
-                self._forward(batches[action.microbatch], reports[batches[action.microbatch].step], window)
-            elif action.kind == "B":
-                last_backward = batches[action.microbatch]
-                self._backward(last_backward, reports[last_backward.step], window)
-            else:
+            if action.kind == "S":
                 step = last_backward.step if window.schedule == "async" and last_backward else window.steps[-1]
-                self._step(reports[step])
-                if on_step is not None:
-                    on_step(reports[step])
-        return [reports[step] for step in window.steps]
+            else:
+                step = batches[action.microbatch].step
+            if self._truncated(step):
+                continue  # the segment was cut short before this step
+            self.activity = f"{ACTIVITY[action.kind]} {step}"
+            try:
+                if action.kind == "F":
+                    self._forward(batches[action.microbatch], reports[step], window)
+                elif action.kind == "B":
+                    last_backward = batches[action.microbatch]
+                    self._backward(last_backward, reports[step], window)
+                else:
+                    self._step(reports[step])
+                    done.append(step)
+                    if on_step is not None:
+                        on_step(reports[step])
+            except InboxSkipped:
+                self._held.pop(batches[action.microbatch].key, None)
+        self.activity = "idle"
+        return [reports[step] for step in done]
+
+    def _truncated(self, step: int) -> bool:
+        return self.inbox.last_step is not None and step > self.inbox.last_step
 
     # -- actions -----------------------------------------------------------------------------
 

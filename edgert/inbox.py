@@ -28,6 +28,10 @@ class InboxTimeout(EdgertError):
     """What the stage waited for did not arrive in time."""
 
 
+class InboxSkipped(EdgertError):
+    """The awaited micro-batch belongs to a step after the truncation point: it will not come."""
+
+
 class InboxFull(EdgertError):
     """A peer sent more than the stage may hold (in-flight limit)."""
 
@@ -41,6 +45,7 @@ class Inbox:
         self._taken_order: deque[Hashable] = deque()
         self._condition = threading.Condition()
         self._aborted: str | None = None
+        self.last_step: int | None = None  # steps after this will not run (truncated segment)
         self.capacity = capacity
 
     def put(self, key: Hashable, value: Any) -> bool:
@@ -65,6 +70,8 @@ class Inbox:
             while key not in self._items:
                 if self._aborted is not None:
                     raise InboxAborted(self._aborted)
+                if self.last_step is not None and key[1] > self.last_step:
+                    raise InboxSkipped(f"{key} is after the truncation at step {self.last_step}")
                 remaining = None if deadline is None else deadline - time.perf_counter()
                 if remaining is not None and remaining <= 0:
                     raise InboxTimeout(f"waited {timeout:.1f} s for {key}")
@@ -84,6 +91,14 @@ class Inbox:
             self._aborted = reason
             self._condition.notify_all()
 
+    def truncate(self, last_step: int) -> None:
+        """No step after ``last_step`` will run: waiters for later steps give up, their messages go."""
+        with self._condition:
+            self.last_step = last_step
+            for key in [k for k in self._items if k[1] > last_step]:
+                del self._items[key]
+            self._condition.notify_all()
+
     def reset(self) -> None:
         """Forget held messages and any abort (a new run starts)."""
         with self._condition:
@@ -91,6 +106,7 @@ class Inbox:
             self._taken.clear()
             self._taken_order.clear()
             self._aborted = None
+            self.last_step = None
 
     def discard(self, predicate) -> int:
         """Drop held messages whose key matches ``predicate``; returns how many."""

@@ -83,6 +83,36 @@ class StepLedger:
             return False
         return True
 
+    def interrupt(self) -> None:
+        """Wake every waiter (a worker failed): they look at the coordinator's state and decide."""
+        for event in self._events.values():
+            event.set()
+
+    @property
+    def completed_through(self) -> int:
+        """The newest completed step, -1 before any."""
+        return max((r.step for r in self.recent), default=-1)
+
+    def restart(self, names: list[str], after: int) -> None:
+        """Training goes on from step ``after + 1`` on these workers: later steps are forgotten."""
+        self.forget([step for step in self._pending if step > after])
+        undone = [r for r in self.recent if r.step > after]
+        self.completed -= len(undone)
+        self.samples -= sum(r.samples for r in undone)
+        self.recent = [r for r in self.recent if r.step <= after]
+        self.failure = None
+        self.configure(names)
+        self.reset_timing()
+
+    def forget(self, steps: list[int]) -> None:
+        """Steps that will not run (a segment was cut short)."""
+        for step in steps:
+            self._pending.pop(step, None)
+            self._meta.pop(step, None)
+            event = self._events.pop(step, None)
+            if event is not None:
+                event.set()
+
     def missing(self, step: int) -> list[int]:
         return [k for k in range(self.stages) if k not in self._pending.get(step, {})]
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from edgert.devices import BlockTiming
 from edgert.manifest import BoundaryTensor
+from edgert.optimizer import make_optimizer
 from edgert.slowdown import SlowdownSchedule
 from edgert.stage import StageSession
 
@@ -37,23 +38,39 @@ def measure_stage(session: StageSession, micro_batch: int, repeats: int = 5, war
     labels = {t.name: random_tensor(t, micro_batch, rng) for t in entry.labels}
     gradients = {t.name: random_tensor(t, micro_batch, rng) for t in entry.outputs if t.name in entry.output_gradients}
     slowdown = slowdown or SlowdownSchedule()
-    forward, backward = [], []
+    forward, backward, optimizer = [], [], []
+    saved = session.parameters()
     resident = _resident_bytes()
     _reset_peak()
     for attempt in range(warmup + repeats):
         start = _clock()
-        session.forward(inputs)
+        session.forward(inputs, {} if session.stashing else None)
         forward_ms = _elapsed_ms(start, slowdown, session.single_threaded)
         start = _clock()
-        session.backward(inputs, output_gradients=gradients or None, labels=labels or None)
+        session.backward(inputs, output_gradients=gradients or None, labels=labels or None,
+                         saved=_kept(session, inputs))
         backward_ms = _elapsed_ms(start, slowdown, session.single_threaded)
+        start = _clock()
+        session.step()
+        optimizer_ms = _elapsed_ms(start, slowdown, True)
         if attempt >= warmup:
             forward.append(forward_ms)
             backward.append(backward_ms)
-    session.zero_grad()
+            optimizer.append(optimizer_ms)
     peak = max(_peak_bytes() - resident, 0)
+    session.load_parameters(saved)  # measuring must not train
+    session.optimizer = make_optimizer(session.training)
     return BlockTiming(block=name or "+".join(entry.blocks), forward_ms=round(statistics.median(forward), 4),
-                       backward_ms=round(statistics.median(backward), 4), peak_bytes=int(peak))
+                       backward_ms=round(statistics.median(backward), 4), peak_bytes=int(peak),
+                       optimizer_ms=round(statistics.median(optimizer), 4))
+
+
+def _kept(session: StageSession, inputs: dict) -> dict | None:
+    if not session.stashing:
+        return None
+    kept: dict = {}
+    session.forward(inputs, kept)
+    return kept
 
 
 def _clock() -> tuple[float, float]:

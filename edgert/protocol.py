@@ -27,7 +27,7 @@ from edgert.schedule import SCHEDULES
 from edgert.transport import Envelope
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
-MIGRATE, PROFILE, PROBE, ECHO = "migrate", "profile", "probe", "echo"
+MIGRATE, PROFILE, PROBE, ECHO, REPLICA, JOIN = "migrate", "profile", "probe", "echo", "replica", "join"
 ACT, GRAD, LABELS = "act", "grad", "labels"
 DATA_KINDS = {ACT: "activations", GRAD: "gradients"}
 
@@ -60,6 +60,9 @@ class StageAssignment:
     backward_threads: int = 1
     wait_timeout: float = 120.0
     memory_mode: str = "recompute"
+    replicate_every: int = 0  # steps between replicas to the next workers (0: never)
+    central_every: int = 0  # steps between copies to the coordinator (0: never)
+    replica_targets: tuple[str, ...] = ()
 
     def to_envelope(self, files: dict[str, bytes]) -> Envelope:
         meta = {
@@ -73,6 +76,9 @@ class StageAssignment:
             "backward_threads": self.backward_threads,
             "wait_timeout": self.wait_timeout,
             "memory_mode": self.memory_mode,
+            "replicate_every": self.replicate_every,
+            "central_every": self.central_every,
+            "replica_targets": list(self.replica_targets),
         }
         tensors = {role: np.frombuffer(data, dtype=np.uint8) for role, data in files.items()}
         return Envelope(kind="stage", run_id=self.run_id, stage=self.entry.index, tensors=tensors, meta=meta)
@@ -94,6 +100,9 @@ class StageAssignment:
                 backward_threads=int(meta.get("backward_threads", 1)),
                 wait_timeout=float(meta.get("wait_timeout", 120.0)),
                 memory_mode=str(meta.get("memory_mode", "recompute")),
+                replicate_every=int(meta.get("replicate_every", 0)),
+                central_every=int(meta.get("central_every", 0)),
+                replica_targets=tuple(str(u) for u in meta.get("replica_targets", [])),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
             raise ProtocolError(f"stage assignment is malformed: {type(error).__name__}: {error}") from None
@@ -154,6 +163,12 @@ class Segment:
         return segment
 
 
+def truncate_envelope(run_id: str, last_step: int) -> Envelope:
+    """``POST /run`` with ``meta.command = "truncate"``: no step after ``last_step`` runs."""
+    return Envelope(kind="control", run_id=run_id, step=last_step,
+                    meta={"command": "truncate", "last_step": last_step})
+
+
 def reports_to_envelope(run_id: str, stage: int, worker: str, reports: list[StepReport]) -> Envelope:
     """``POST /report`` (to the coordinator): what one stage did in one or more steps."""
     rows = []
@@ -195,6 +210,7 @@ class Health:
     step: int = -1
     detail: str = ""
     slowdown: str = "0:1"
+    activity: str = "idle"  # forward N, backward N, step N, replicating, migrating...
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_envelope(self) -> Envelope:

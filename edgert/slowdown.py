@@ -43,6 +43,10 @@ class SlowdownSchedule:
                 current = factor
         return current
 
+    def extra(self, step: int, wall_seconds: float) -> float:
+        """How much longer a computation that took ``wall_seconds`` here lasts on the emulated device."""
+        return max((self.factor(step) - 1.0) * wall_seconds, 0.0)
+
     def emulate(self, step: int, wall_seconds: float, cpu_seconds: float | None = None) -> float:
         """Sleep until the computation has lasted F x its compute time; returns the seconds slept.
 

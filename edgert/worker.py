@@ -13,7 +13,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import queue
 import shutil
 import tempfile
@@ -29,7 +28,6 @@ from edgert.errors import EdgertError
 from edgert.executor import Key, StageExecutor, StepReport, Window
 from edgert.inbox import Inbox, InboxAborted, InboxFull
 from edgert.manifest import BoundaryTensor, needed_roles, verify_file
-from edgert.profiler import measure_stage, probe_link
 from edgert.protocol import (
     ACT,
     BATCH,
@@ -37,10 +35,12 @@ from edgert.protocol import (
     ECHO,
     GRAD,
     HEALTH,
+    JOIN,
     LABELS,
     MIGRATE,
     PROBE,
     PROFILE,
+    REPLICA,
     REPORT,
     RUN,
     STAGE,
@@ -53,6 +53,7 @@ from edgert.protocol import (
     failure_envelope,
     reports_to_envelope,
 )
+from edgert.replica import CopyStore
 from edgert.slowdown import SlowdownSchedule
 from edgert.stage import StageSession, Threads
 from edgert.transport import (
@@ -67,7 +68,10 @@ from edgert.transport import (
     get_codec,
 )
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
+from edgert.transport.server import parse_url
 from edgert.weights import StageState
+from edgert.worker_measure import MeasureResources
+from edgert.worker_state import StateResources
 
 log = logging.getLogger("edgert.worker")
 MAX_PENDING_SENDS = 16
@@ -85,9 +89,11 @@ class WorkerConfig:
     workdir: Path | None = None
     limits: Limits = DEFAULT_LIMITS
     send_timeout: float = 30.0
+    join: str | None = None  # a coordinator to announce this worker to (joining a running job)
+    advertise: str | None = None  # the host others reach this worker at (default: the listen host)
 
 
-class Worker:
+class Worker(StateResources, MeasureResources):
     """One device's runtime: a CoAP server, a stage session and a compute thread."""
 
     def __init__(self, config: WorkerConfig):
@@ -103,13 +109,19 @@ class Worker:
         self._segments: collections.deque[Segment] = collections.deque(maxlen=KEPT_SEGMENTS)
         self._unsent_reports: list[StepReport] = []
         self._last_report = 0.0
-        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        # in-flight sends: (future, assignment generation, whether its failure fails the stage)
+        self._pending: collections.deque[tuple[concurrent.futures.Future, int, bool]] = collections.deque()
+        self._generation = 0  # counts stage assignments; sends of older ones may fail quietly
+        self._pending_lock = threading.Lock()
+        self._idle = threading.Event()  # the compute thread waits for work (no window running)
+        self._activity = ""  # overrides the executor's while replicating or migrating
         self._loop: asyncio.AbstractEventLoop | None = None
         self._compute: threading.Thread | None = None
         self._workdir = Path(config.workdir) if config.workdir else Path(tempfile.mkdtemp(prefix="edgert-worker-"))
         self._owns_workdir = config.workdir is None
         self._codecs: dict[str, object] = {}
         self._previous: StageState | None = None
+        self.copies = CopyStore()
         self._load_lock = asyncio.Lock()
         self._register_resources()
 
@@ -122,11 +134,25 @@ class Worker:
         await self.client.start()
         self._compute = threading.Thread(target=self._compute_loop, name="edgert-compute", daemon=True)
         self._compute.start()
+        if self.config.join:
+            await self._announce(self.config.join)
         return self.url
+
+    async def _announce(self, coordinator: str) -> None:
+        """Tell a running coordinator this worker is available (``--join``)."""
+        message = Envelope(kind="control", meta={"url": self.url, "name": self.config.name})
+        try:
+            await self.client.post(coordinator, JOIN, message, timeout=10.0, retries=3)
+        except TransportError as error:
+            raise EdgertError(f"could not join {coordinator}: {error}") from None
 
     @property
     def url(self) -> str:
-        return self.server.urls[0]
+        url = self.server.urls[0]
+        if self.config.advertise:
+            scheme, _, port = parse_url(url)
+            return f"{scheme}://{self.config.advertise}:{port}"
+        return url
 
     async def shutdown(self) -> None:
         """Stop computing, stop serving, remove the work folder."""
@@ -149,6 +175,8 @@ class Worker:
         server.add_resource(WEIGHTS, get=self._on_weights_get, put=self._on_weights_put, fetch=self._on_weights_fetch,
                             rt="edgert.weights", kinds=("weights", "control"))
         server.add_resource(MIGRATE, post=self._on_migrate, rt="edgert.migrate", kinds=("control",))
+        server.add_resource(REPLICA, put=self._on_replica_put, get=self._on_replica_get, rt="edgert.replica",
+                            kinds=("weights",))
         server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",))
         server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",))
         server.add_resource(ECHO, post=self._on_echo, rt="edgert.echo", envelope=False)
@@ -158,6 +186,7 @@ class Worker:
     # -- resources ---------------------------------------------------------------------------
 
     async def _on_health(self, request: Request) -> Envelope:
+        self.health.activity = self._activity or (self.executor.activity if self.executor else "idle")
         return self.health.to_envelope()
 
     async def _on_stage(self, request: Request) -> Envelope:
@@ -166,13 +195,19 @@ class Worker:
         except ProtocolError as error:
             raise BadRequest(str(error)) from None
         async with self._load_lock:
-            if self.health.state == "running":
-                await self._stop_run("a new stage was assigned")
+            await self._stop_run("a new stage was assigned")
+            await self._until_idle()
             started = time.perf_counter()
+            self._activity = "loading"
             try:
                 session = await asyncio.get_running_loop().run_in_executor(None, self._load, assignment, files)
+                # an emulated slower device also loads more slowly
+                await asyncio.sleep(self.config.slowdown.extra(max(self.health.step, 0),
+                                                               time.perf_counter() - started))
             except EdgertError as error:
                 raise BadRequest(f"stage {assignment.entry.index} refused: {error}") from None
+            finally:
+                self._activity = ""
             self._install(assignment, session)
         load_ms = (time.perf_counter() - started) * 1000
         log.info("%s: loaded stage %d of run %s in %.0f ms", self.config.name, assignment.entry.index,
@@ -207,6 +242,11 @@ class Worker:
                                         optimizer=self.session.optimizer_state(), stage=self.session.entry.index)
         else:
             self._previous = None
+        if self.assignment is None or self.assignment.run_id != assignment.run_id:
+            self.copies.clear()
+        self._generation += 1
+        self._unsent_reports = []
+        self._forget_pending_sends()
         self.inbox.reset()
         self.assignment, self.session = assignment, session
         self._codecs = {"forward": get_codec(assignment.forward_codec),
@@ -218,6 +258,9 @@ class Worker:
 
     async def _on_run(self, request: Request) -> None:
         self._check_run(request.envelope)
+        if request.envelope.meta.get("command") == "truncate":
+            self._truncate(request.envelope.meta.get("last_step"))
+            return
         try:
             segment = Segment.from_envelope(request.envelope)
         except ProtocolError as error:
@@ -229,6 +272,19 @@ class Worker:
         windows = segment.windows()
         for k, window in enumerate(windows):
             self._windows.put((window, k == len(windows) - 1))
+
+    def _truncate(self, last_step) -> None:
+        """Stop after ``last_step``: later steps are dropped, the pipeline drains (re-planning)."""
+        if not isinstance(last_step, int) or last_step < 0:
+            raise BadRequest(f"truncate needs meta.last_step, a step number (got {last_step!r})")
+        self.inbox.truncate(last_step)
+        kept = []
+        while not self._windows.empty():
+            item = self._windows.get_nowait()
+            if item is not None and min(item[0].steps) <= last_step:
+                kept.append(item)
+        for item in kept:
+            self._windows.put(item)
 
     async def _on_batch(self, request: Request) -> None:
         """A whole step's inputs (first stage) and/or labels (last stage), split into micro-batches here."""
@@ -270,105 +326,6 @@ class Worker:
         if self.health.state == "running":
             self.health.state = "loaded"
 
-    async def _on_weights_get(self, request: Request) -> Envelope:
-        session = self._require_session()
-        state = StageState(parameters=session.parameters(), optimizer=session.optimizer_state(),
-                           step=max(self.health.step, 0), stage=session.entry.index)
-        return state.to_envelope(self.assignment.run_id)
-
-    async def _on_weights_fetch(self, request: Request) -> Envelope:
-        """Some of the state, by name: ``meta.names``; ``meta.previous`` for the stage held before the
-        latest assignment (what re-partitioning moves between workers)."""
-        meta = request.envelope.meta
-        names = meta.get("names")
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise BadRequest("FETCH /weights needs meta.names, a list of parameter names")
-        if meta.get("previous"):
-            if self._previous is None:
-                raise BadRequest("this worker holds no previous stage state")
-            state = self._previous
-        else:
-            session = self._require_session()
-            state = StageState(parameters=session.parameters(), optimizer=session.optimizer_state(),
-                               stage=session.entry.index)
-        return _subset(state, names).to_envelope(self.assignment.run_id if self.assignment else "")
-
-    async def _on_migrate(self, request: Request) -> Envelope:
-        """Fetch the named state from the workers that held it, straight into this stage."""
-        session = self._require_session()
-        self._check_run(request.envelope)
-        sources = request.envelope.meta.get("sources", [])
-        started = time.perf_counter()
-
-        async def fetch(source: dict) -> StageState:
-            if source["url"] == SELF:
-                return _subset(self._previous, list(source["names"]))
-            query = Envelope(kind="control", run_id=self.assignment.run_id,
-                             meta={"names": list(source["names"]), "previous": bool(source.get("previous", True))})
-            response = await self.client.request("FETCH", source["url"], WEIGHTS, query, timeout=120.0)
-            return StageState.from_envelope(response.envelope(self.config.limits))
-
-        try:
-            states = await asyncio.gather(*(fetch(s) for s in sources))
-        except (TransportError, KeyError, TypeError, EdgertError) as error:
-            raise BadRequest(f"migration failed: {error}") from None
-        moved = 0
-        for state in states:
-            try:
-                session.load_parameters(state.parameters)
-                session.load_optimizer_state(state.optimizer)
-            except EdgertError as error:
-                raise BadRequest(f"migration failed: {error}") from None
-            moved += state.bytes
-        return Envelope(kind="control", run_id=self.assignment.run_id,
-                        meta={"bytes": moved, "ms": (time.perf_counter() - started) * 1000})
-
-    async def _on_profile(self, request: Request) -> Envelope:
-        """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
-        try:
-            assignment, files = StageAssignment.from_envelope(request.envelope)
-        except ProtocolError as error:
-            raise BadRequest(str(error)) from None
-        meta = request.envelope.meta
-        micro_batch, repeats = int(meta.get("micro_batch", 16)), int(meta.get("repeats", 5))
-
-        def measure() -> dict:
-            session = self._load(assignment, files, folder_name="profile")
-            return dataclasses.asdict(measure_stage(session, micro_batch, repeats, slowdown=self.config.slowdown))
-
-        try:
-            timing = await asyncio.get_running_loop().run_in_executor(None, measure)
-        except EdgertError as error:
-            raise BadRequest(f"profiling refused: {error}") from None
-        return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
-                                              "memory_bytes": _available_memory(), "worker": self.config.name,
-                                              "slowdown": str(self.config.slowdown)})
-
-    async def _on_probe(self, request: Request) -> Envelope:
-        """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""
-        target = request.envelope.meta.get("target")
-        if not isinstance(target, str):
-            raise BadRequest("POST /probe needs meta.target, a worker URL")
-        try:
-            result = await probe_link(self.client, target)
-        except TransportError as error:
-            raise BadRequest(f"{target} did not answer: {error}") from None
-        return Envelope(kind="control", meta=result)
-
-    async def _on_echo(self, request: Request) -> bytes:
-        return b""
-
-    async def _on_weights_put(self, request: Request) -> None:
-        session = self._require_session()
-        if self.health.state == "running":
-            raise ServiceUnavailable("weights cannot be written while the stage is running a window")
-        state = StageState.from_envelope(request.envelope)
-        try:
-            session.load_parameters(state.parameters)
-            session.load_optimizer_state(state.optimizer)
-        except EdgertError as error:
-            raise BadRequest(str(error)) from None
-
     def _data_handler(self, path: str):
         async def handle(request: Request) -> None:
             envelope = request.envelope
@@ -403,16 +360,24 @@ class Worker:
 
     # -- compute thread ----------------------------------------------------------------------
 
+    async def _until_idle(self, timeout: float = 30.0) -> None:
+        """Wait until the compute thread has left its window (it was told to stop)."""
+        deadline = time.monotonic() + timeout
+        while not self._idle.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
     def _compute_loop(self) -> None:
         while True:
+            self._idle.set()
             item = self._windows.get()
+            self._idle.clear()
             if item is None:
                 return
             window, ends_segment = item
             try:
                 self.executor.run_window(window, on_step=self._step_done)
-                if ends_segment:
-                    self._flush_reports()
+                if ends_segment or self._windows.empty():
+                    self._flush_reports()  # nothing else queued: the coordinator waits for these
                 if self._windows.empty():
                     self.health.state = "loaded"
             except InboxAborted as error:
@@ -428,6 +393,7 @@ class Worker:
 
     def _step_done(self, report: StepReport) -> None:
         self.health.step = report.step
+        self._replicate(report)
         self._unsent_reports.append(report)
         if time.monotonic() - self._last_report >= REPORT_INTERVAL:
             self._flush_reports()
@@ -439,8 +405,34 @@ class Worker:
             self._unsent_reports = []
         self._last_report = time.monotonic()
 
+    def _replicate(self, report: StepReport) -> None:
+        """Every ``replicate_every`` steps: keep a snapshot, send it to the next workers (and the coordinator)."""
+        every, central = self.assignment.replicate_every, self.assignment.central_every
+        to_peers = every and (report.step + 1) % every == 0
+        to_coordinator = central and (report.step + 1) % central == 0
+        if not (to_peers or to_coordinator):
+            return
+        started, cpu = time.perf_counter(), time.thread_time()
+        self._activity = f"replicating {report.step}"
+        state = StageState(parameters=self.session.parameters(), optimizer=self.session.optimizer_state(),
+                           step=report.step, stage=self.assignment.entry.index)
+        # an emulated slower device also copies its state more slowly
+        self.config.slowdown.emulate(report.step, time.perf_counter() - started, time.thread_time() - cpu)
+        self.copies.put(state, SELF)
+        envelope = state.to_envelope(self.assignment.run_id)
+        envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, step=envelope.step, stage=envelope.stage,
+                            tensors=envelope.tensors, meta={"origin": self.url})
+        targets = list(self.assignment.replica_targets) if to_peers else []
+        if to_coordinator:
+            targets.append(self.assignment.peers.coordinator)
+        for target in targets:
+            self._submit(target, REPLICA, envelope, None, method="PUT", fatal=False)
+        report.replication_ms += (time.perf_counter() - started) * 1000
+        report.replicated_bytes += state.bytes * len(targets)
+        self._activity = ""
+
     def _report(self, envelope: Envelope) -> None:
-        self._submit(self.assignment.peers.coordinator, REPORT, envelope, None)
+        self._submit(self.assignment.peers.coordinator, REPORT, envelope, None, fatal=False)
 
     def _send_forward(self, key: Key, tensors: dict[str, np.ndarray]) -> None:
         self._send_data(self.assignment.peers.next, ACT, key, tensors, +1, self._codecs["forward"])
@@ -455,12 +447,37 @@ class Worker:
                             stage=self.assignment.entry.index + direction, tensors=tensors)
         self._submit(url, path, envelope, codec)
 
-    def _submit(self, url: str, path: str, envelope: Envelope, codec) -> None:
-        """Hand a send to the transport loop without waiting for it; surface earlier failures."""
-        while self._pending and (self._pending[0].done() or len(self._pending) >= MAX_PENDING_SENDS):
-            self._pending.popleft().result()  # re-raises a failed send in the compute thread
-        future = asyncio.run_coroutine_threadsafe(self.client.send(url, path, envelope, codec=codec), self._loop)
-        self._pending.append(future)
+    def _forget_pending_sends(self) -> None:
+        """Cancel the sends of earlier assignments: their peers or coordinator may be gone for good."""
+        with self._pending_lock:
+            for future, _, _ in self._pending:
+                future.cancel()
+            self._pending.clear()
+
+    def _submit(self, url: str, path: str, envelope: Envelope, codec, method: str = "POST",
+                fatal: bool = True) -> None:
+        """Hand a send to the transport loop without waiting for it; surface earlier failures.
+
+        A send from before the latest stage assignment (a recovery, a re-plan) may fail, e.g.
+        towards a worker that died: that is history, not this stage's failure. Reports and
+        replicas are not ``fatal``: if the coordinator is gone, the stage keeps its state and
+        waits to be told what to do (a resumed coordinator).
+        """
+        while True:
+            with self._pending_lock:
+                if not self._pending or not (self._pending[0][0].done() or len(self._pending) >= MAX_PENDING_SENDS):
+                    break
+                future, generation, must_arrive = self._pending.popleft()
+            try:
+                future.result()
+            except Exception as error:  # noqa: BLE001 - cancelled or failed
+                if must_arrive and generation == self._generation:
+                    raise  # re-raises a failed send of this assignment in the compute thread
+                log.info("%s: a send failed: %s", self.config.name, error)
+        request = self.client.request(method, url, path, envelope, codec=codec)
+        future = asyncio.run_coroutine_threadsafe(request, self._loop)
+        with self._pending_lock:
+            self._pending.append((future, self._generation, fatal))
 
 
 def _check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str) -> None:
@@ -480,26 +497,3 @@ def _check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str
         batches.update(n for d, n in zip(spec.shape, shape) if d == "N")
     if len(batches) > 1 or 0 in batches:
         raise BadRequest(f"/{path}: tensors have batch sizes {sorted(batches)}; expected one, at least 1")
-
-
-def _available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes), 0 where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _subset(state: StageState | None, names: list[str]) -> StageState:
-    """The named part of a stage state; every name must be there."""
-    if state is None:
-        raise BadRequest("this worker holds no previous stage state")
-    missing = [n for n in names if n not in state.parameters]
-    if missing:
-        raise BadRequest(f"no state for {', '.join(missing[:5])} here")
-    return StageState(parameters={n: state.parameters[n] for n in names},
-                      optimizer={n: state.optimizer[n] for n in names if n in state.optimizer},
-                      step=state.step, stage=state.stage)

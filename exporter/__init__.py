@@ -11,7 +11,14 @@ Map of the package (docs/EXPORTER.md; the plan format is docs/MANIFEST.md):
 - ``loss.py``       the real loss (last stage) and the VJP loss (other stages)
 - ``artifacts.py``  :func:`build_stage_artifacts` -> :class:`StageArtifacts`
 - ``export.py``     :func:`export_plan`: the whole pipeline, writes the plan folder
+- ``stash.py``      the training graph split for activation stashing (no recomputation)
 - ``check.py``      :func:`check_plan`: chained stages against the unsplit model
+- ``merge.py``      :func:`merge_run`: a run's trained stages back into one ONNX model
+- ``profiling.py``  :func:`profile_devices`: ``edgert profile``, units on workers, links
+- ``predictor*.py`` :class:`LatencyPredictor`: block times from op features, learnt online
+- ``planner*.py``   :func:`plan`: cuts, device order, groups, codecs, threads (docs/PLANNER.md)
+- ``replanner.py``  :class:`Replanner`: measured times -> device costs -> a better placement
+- ``placement.py``  :func:`plan_for_devices`: ``edgert plan``
 - ``errors.py``     :class:`ExportError` and its kinds
 
 Needs ``onnx`` (the ``host`` extra); a board never imports this package.

@@ -57,7 +57,7 @@ async def _profile(plan: Path, manifest: Manifest, workers: list[str], micro_bat
         names = [await _name(client, url) for url in workers]
         devices = []
         for url, name in zip(workers, names):
-            devices.append(await _profile_device(client, plan, manifest, url, name, micro_batch, repeats, progress))
+            devices.append(await profile_device(client, plan, manifest, url, name, micro_batch, repeats, progress))
         links = []
         for i, source in enumerate(workers):
             for j, target in enumerate(workers):
@@ -82,8 +82,9 @@ async def _name(client: TensorClient, url: str) -> str:
         raise ExportError(f"worker {url} is not reachable: {error}") from None
 
 
-async def _profile_device(client: TensorClient, plan: Path, manifest: Manifest, url: str, name: str,
-                          micro_batch: int, repeats: int, progress: Progress) -> DeviceProfile:
+async def profile_device(client: TensorClient, plan: Path, manifest: Manifest, url: str, name: str,
+                         micro_batch: int, repeats: int, progress: Progress = lambda _: None) -> DeviceProfile:
+    """Measure one worker on every unit of the units plan in ``plan``."""
     timings, cores, memory, slowdown = [], 1, 0, "0:1"
     for entry, unit in zip(manifest.stages, unit_names(manifest)):
         assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, training=manifest.training,

@@ -6,8 +6,8 @@
 2. ``edgert_1stage``: the same model as one stage on one ``edgert worker`` process, fed
    over CoAP by the coordinator. Ratio ``one_stage_vs_bare_ort``.
 3. ``edgert_4stage_1f1b``: four equal stages on four workers, 8 micro-batches, 1F1B. The
-   model is a stack of identical layers (``--width``), cut so that the stages' estimated
-   work is equal. Its ideal is the pipeline's compute-only time divided by the stages
+   model is ``mlp-deep`` (24 identical layers), cut so that the stages' estimated work is
+   equal. Its ideal is the pipeline's compute-only time divided by the stages
    (every stage's measured forward, backward and optimizer time, summed, over 4): ratio
    ``f1b_vs_ideal_4stages``. A synchronous 1F1B pipeline cannot beat M / (M + S - 1) of
    it (the flush at every step; 0.727 for 8 micro-batches on 4 stages): ratio
@@ -76,26 +76,6 @@ def edgert_run(plan: Path, workers: list[str], out: Path, **options) -> tuple[fl
     return summary.samples_per_s, steps
 
 
-def uniform_stack(path: Path, layers: int, width: int, seed: int = 0) -> None:
-    """A model of ``layers`` identical Gemm+ReLU blocks on the digits: equal stages by construction."""
-    from edgert.models import get_model_spec
-    from edgert.models.graph import GraphBuilder
-    from edgert.models.layers import linear
-
-    spec = get_model_spec("mlp")
-    builder = GraphBuilder("uniform-stack", seed)
-    x = builder.input("input", "float32", ["N", 64])
-    with builder.block("embed"):
-        x = builder.op("Relu", [linear(builder, x, "linear", 64, width, relu_follows=True)])
-    for k in range(layers):
-        with builder.block(f"layer{k}"):
-            x = builder.op("Relu", [linear(builder, x, "linear", width, width, relu_follows=True)])
-    with builder.block("head"):
-        logits = linear(builder, x, "linear", width, 10, relu_follows=False, output="logits")
-    metadata = {**spec.metadata(seed), "edgert.model": "mlp"}
-    save_model(builder.model(logits, "float32", ["N", 10], metadata), path)
-
-
 def pipeline_figures(steps: list[dict], stages: int, microbatches: int, skip: int) -> dict[str, float]:
     """Ideal, simulated and measured ms per step over the steady steps."""
     steady = steps[skip:]
@@ -114,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="steps of each 1-stage run")
     parser.add_argument("--pipeline-steps", type=int, default=20, help="steps of the 4-stage run")
     parser.add_argument("--slowdown", default="8", help="emulated device slowdown for the 4-stage run")
-    parser.add_argument("--layers", type=int, default=13, help="identical layers of the 4-stage model")
-    parser.add_argument("--width", type=int, default=384, help="width of those layers")
+    parser.add_argument("--pipeline-model", default="mlp-deep", help="model of the 4-stage run")
     parser.add_argument("--repeat", type=int, default=3, help="alternate bare/edgert 1-stage runs this often")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -140,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"run": "bare_ort", "model": args.model, "stages": 1, "samples_per_s": round(bare, 1)})
         rows.append({"run": "edgert_1stage", "model": args.model, "stages": 1, "samples_per_s": round(single, 1)})
 
-        uniform_stack(folder / "uniform.onnx", args.layers, args.width)
-        manifest = export_plan(folder / "uniform.onnx", folder / "plan4", ExportOptions(stages=4, training=training))
+        save_model(build_model(args.pipeline_model), folder / "pipeline.onnx")
+        manifest = export_plan(folder / "pipeline.onnx", folder / "plan4", ExportOptions(stages=4, training=training))
         with LocalCluster(4, slowdowns=[args.slowdown] * 4) as four:
             pipelined, steps = edgert_run(folder / "plan4", four.urls, folder / "run4", batch_size=args.batch_size,
                                           micro_batches=8, steps=args.pipeline_steps, schedule="1f1b")
         figures = pipeline_figures(steps, 4, 8, skip=3)
-        rows.append({"run": "edgert_4stage_1f1b", "model": f"uniform-stack {args.layers}x{args.width}",
+        rows.append({"run": "edgert_4stage_1f1b", "model": args.pipeline_model,
                      "stages": 4, "micro_batches": 8, "slowdown": args.slowdown,
                      "blocks_per_stage": [len(s.blocks) for s in manifest.stages], "samples_per_s": round(pipelined, 1),
                      **{k: round(v, 2) for k, v in figures.items()}})

@@ -173,3 +173,41 @@ def _analysis_json(analysis) -> dict:
         "param_count": analysis.param_count,
         "total_flops": analysis.total_flops,
     }
+
+
+@main.command("plan")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--devices", "devices_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="devices.json from `edgert profile`.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--micro-batches", type=int, default=4, show_default=True)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
+@click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True)
+@click.option("--lr", "learning_rate", type=float, default=1e-3, show_default=True)
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print placement.json's content.")
+def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int, micro_batches: int, schedule: str,
+                 memory_mode: str, learning_rate: float, optimizer: str, as_json: bool) -> None:
+    """Cut MODEL for the devices DEVICES measured: cuts, device order, codecs, threads; export the plan."""
+    require_host_extra("plan")
+    from dataclasses import asdict
+
+    from edgert.exporter.placement import plan_for_devices
+
+    training = TrainingConfig(optimizer=optimizer, learning_rate=learning_rate)
+    _, placement = plan_for_devices(model, devices_path, out_dir, training, batch_size, micro_batches, schedule,
+                                    memory_mode)
+    if as_json:
+        click.echo(json.dumps(asdict(placement)))
+        return
+    rows = [(s.index, s.device, f"{s.blocks[0]} .. {s.blocks[-1]} ({len(s.blocks)})", f"{s.compute_ms:.2f}",
+             placement.link_codecs[s.index] if s.index < len(placement.link_codecs) else "")
+            for s in placement.stages]
+    click.echo(format_table(["stage", "device", "blocks", "predicted ms/micro-batch", "codec to next"], rows))
+    click.echo(f"bottleneck {placement.bottleneck_ms:.2f} ms per micro-batch; predicted step "
+               f"{placement.predicted_step_ms:.1f} ms ({placement.schedule}, {placement.micro_batches} micro-batches)")
+    if placement.unused_devices:
+        click.echo(f"not used (they would slow the pipeline): {', '.join(placement.unused_devices)}")
+    click.echo(f"train with: edgert train {out_dir} --workers {','.join(placement.workers)} "
+               f"--schedule {schedule} --micro-batches {micro_batches} --memory-mode {memory_mode}")

@@ -28,9 +28,11 @@ def _logging(level: str) -> None:
 @click.option("--slowdown-schedule", default=None, help='Slowdown by step, e.g. "0:1,30:8".')
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where received stage files go (default: a temporary folder).")
+@click.option("--join", default=None, help="URL of a running coordinator to join (its --listen address).")
+@click.option("--advertise", default=None, help="Host the coordinator and peers reach this worker at.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def worker_command(listen: str, name: str, slowdown: str | None, slowdown_schedule: str | None,
-                   workdir: Path | None, log_level: str) -> None:
+                   workdir: Path | None, join: str | None, advertise: str | None, log_level: str) -> None:
     """Run the on-device runtime: serve CoAP, train whatever stage the coordinator assigns."""
     from edgert.slowdown import SlowdownSchedule
     from edgert.worker import Worker, WorkerConfig
@@ -39,7 +41,8 @@ def worker_command(listen: str, name: str, slowdown: str | None, slowdown_schedu
     if slowdown and slowdown_schedule:
         raise click.UsageError("give --slowdown or --slowdown-schedule, not both")
     schedule = SlowdownSchedule.parse(slowdown_schedule or slowdown or "1")
-    config = WorkerConfig(listen=listen, name=name, slowdown=schedule, workdir=workdir)
+    config = WorkerConfig(listen=listen, name=name, slowdown=schedule, workdir=workdir, join=join,
+                          advertise=advertise)
     asyncio.run(_serve(Worker(config)))
 
 
@@ -59,8 +62,8 @@ async def _serve(worker) -> None:
 
 
 @main.command("train")
-@click.argument("plan", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--workers", required=True, help="Worker URLs in stage order, comma-separated.")
+@click.argument("plan", type=click.Path(exists=True, file_okay=False, path_type=Path), required=False)
+@click.option("--workers", default=None, help="Worker URLs in stage order, comma-separated.")
 @click.option("--data", default="digits", show_default=True, help="digits, tokens, or a .npz (x, y[, x_test, y_test]).")
 @click.option("--epochs", type=int, default=5, show_default=True)
 @click.option("--steps", type=int, default=None, help="Stop after this many optimizer steps.")
@@ -89,24 +92,39 @@ async def _serve(worker) -> None:
               "indices). Repeatable.")
 @click.option("--devices", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="devices.json from `edgert profile`, for re-planning.")
+@click.option("--replicate-every", type=int, default=20, show_default=True,
+              help="Steps between each stage's copies to the next workers (0: off).")
+@click.option("--central-every", type=int, default=100, show_default=True,
+              help="Steps between copies to this coordinator, kept on disk (0: off).")
+@click.option("--replicas", type=int, default=1, show_default=True, help="Neighbours each stage's copy goes to.")
+@click.option("--resume", "resume_run", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Continue the run in this folder from its newest snapshot (PLAN and options come from it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int | None, batch_size: int,
                   micro_batches: int, schedule: str, learning_rate: float | None, seed: int, codec: str,
                   grad_codec: str, threads: int, memory_mode: str, out_dir: Path, listen: str, advertise: str | None,
                   step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
-                  replan_at: tuple[str, ...], devices: Path | None, as_json: bool, log_level: str) -> None:
+                  replan_at: tuple[str, ...], devices: Path | None, replicate_every: int, central_every: int,
+                  replicas: int, resume_run: Path | None, as_json: bool, log_level: str) -> None:
     """Train PLAN across WORKERS (one per stage) and record the run."""
-    from edgert.coordinator import TrainConfig, train
+    from edgert.coordinator import TrainConfig, resumed_config, train
 
     _logging(log_level)
+    if resume_run is not None:
+        config = resumed_config(resume_run, workers.split(",") if workers else None)
+        print_summary(train(config), as_json)
+        return
+    if plan is None or not workers:
+        raise click.UsageError("give PLAN and --workers (or --resume RUN_DIR)")
     config = TrainConfig(
         plan_dir=plan, workers=tuple(w.strip() for w in workers.split(",") if w.strip()), out_dir=out_dir,
         data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
         schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
         forward_threads=threads, backward_threads=threads, listen=listen, advertise=advertise,
         step_timeout=step_timeout, replan=replan, replan_every=replan_every, replan_threshold=replan_threshold,
-        replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices, memory_mode=memory_mode)
+        replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices, memory_mode=memory_mode,
+        replicate_every=replicate_every, central_every=central_every, replicas=replicas)
     summary = train(config)
     print_summary(summary, as_json)
 

@@ -1,0 +1,69 @@
+"""The worker's measurement resources: how fast it computes a stage, and its links.
+
+``POST /profile`` times a stage (not installed: the current one is untouched) through the
+worker's own runtime; ``POST /probe`` times the link to another worker's ``/echo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from pathlib import Path
+
+from edgert.errors import EdgertError
+from edgert.profiler import measure_stage, probe_link
+from edgert.protocol import ProtocolError, StageAssignment
+from edgert.transport import BadRequest, Envelope, Request, TransportError
+
+
+class MeasureResources:
+    """Mixin of :class:`edgert.worker.Worker`: the handlers of /profile, /probe and /echo."""
+
+    async def _on_profile(self, request: Request) -> Envelope:
+        """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
+        try:
+            assignment, files = StageAssignment.from_envelope(request.envelope)
+        except ProtocolError as error:
+            raise BadRequest(str(error)) from None
+        meta = request.envelope.meta
+        micro_batch, repeats = int(meta.get("micro_batch", 16)), int(meta.get("repeats", 5))
+
+        def measure() -> dict:
+            session = self._load(assignment, files, folder_name="profile")
+            return dataclasses.asdict(measure_stage(session, micro_batch, repeats, slowdown=self.config.slowdown))
+
+        try:
+            timing = await asyncio.get_running_loop().run_in_executor(None, measure)
+        except EdgertError as error:
+            raise BadRequest(f"profiling refused: {error}") from None
+        return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
+                                              "memory_bytes": _available_memory(), "worker": self.config.name,
+                                              "slowdown": str(self.config.slowdown)})
+
+    async def _on_probe(self, request: Request) -> Envelope:
+        """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""
+        target = request.envelope.meta.get("target")
+        if not isinstance(target, str):
+            raise BadRequest("POST /probe needs meta.target, a worker URL")
+        try:
+            result = await probe_link(self.client, target)
+        except TransportError as error:
+            raise BadRequest(f"{target} did not answer: {error}") from None
+        return Envelope(kind="control", meta=result)
+
+    async def _on_echo(self, request: Request) -> bytes:
+        return b""
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), 0 where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
