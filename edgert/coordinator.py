@@ -45,6 +45,7 @@ from edgert.protocol import (
     WEIGHTS,
     Health,
     Segment,
+    hold_envelope,
     reports_from_envelope,
     truncate_envelope,
 )
@@ -56,6 +57,8 @@ from edgert.transport.server import parse_url
 from edgert.weights import StageState, save_state
 
 log = logging.getLogger("edgert.coordinator")
+
+SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,7 @@ class Coordinator(RecoveryMixin, ReplanMixin):
             try:
                 while chunk:
                     started = time.perf_counter()
-                    done = await self._run_segment(chunk)
+                    done = await self._run_segment(chunk, final=position + len(chunk) == len(plan))
                     self._train_seconds += time.perf_counter() - started
                     position += done
                     chunk = chunk[done:]
@@ -314,12 +317,13 @@ class Coordinator(RecoveryMixin, ReplanMixin):
                 current = []
         return chunks
 
-    async def _run_segment(self, plan: list[Batch]) -> int:
+    async def _run_segment(self, plan: list[Batch], final: bool = False) -> int:
         """Run these steps, feeding them ``lookahead`` steps ahead; returns how many ran.
 
         With re-planning on, every ``replan_every`` completed steps the current placement is
         checked while the pipeline keeps going; a re-plan cuts the segment at the last step
-        whose data was sent, drains, moves the cuts, and returns early.
+        whose data was sent, drains, moves the cuts, and returns early. While the segment
+        drains (unless it is the ``final`` one) the checks go on, and a re-plan waits for it.
         """
         config = self.config
         stages = len(self.manifest.stages)
@@ -331,30 +335,51 @@ class Coordinator(RecoveryMixin, ReplanMixin):
         ahead = config.lookahead + (stages if config.schedule == "async" else 0)
         in_flight: deque[int] = deque()
         since_check = 0
-        for sent, batch in enumerate(plan):
+
+        async def settle(step: int):
+            """Wait for ``step``; then, when due, a better placement or None."""
+            nonlocal since_check
+            await self._wait_step(step)
+            since_check += 1
+            shifted = config.replan == "auto" and self.ledger.speed_changed()
+            if (config.replan == "auto" and since_check >= config.replan_every) or shifted \
+                    or self._membership_changed:
+                since_check, self._membership_changed = 0, False
+                return await self._check_placement(window=SHIFT_WINDOW if shifted else config.replan_every)
+            return None
+
+        for batch in plan:
             while len(in_flight) >= ahead:
-                await self._wait_step(in_flight.popleft())
-                since_check += 1
-                if (config.replan == "auto" and since_check >= config.replan_every) or self._membership_changed:
-                    since_check, self._membership_changed = 0, False
-                    proposal = await self._check_placement()
-                    if proposal is not None:
-                        await self._cut_segment(plan[sent - 1].step, in_flight, plan[sent:])
-                        await self._repartition(proposal, plan[sent].step)
-                        return sent
+                proposal = await settle(in_flight.popleft())
+                if proposal is not None:
+                    return await self._replan_now(proposal, plan, in_flight)
             await self._send_batch(batch)
             in_flight.append(batch.step)
-        for step in in_flight:
-            await self._wait_step(step)
+        while in_flight:
+            step = in_flight.popleft()
+            if final:
+                await self._wait_step(step)
+                continue
+            proposal = await settle(step)
+            if proposal is not None:
+                return await self._replan_now(proposal, plan, in_flight)
         return len(plan)
 
-    async def _cut_segment(self, last_step: int, in_flight: deque[int], unsent: list[Batch]) -> None:
-        """Stop the workers after ``last_step`` and let the pipeline drain."""
-        message = truncate_envelope(self.run_id, last_step)
-        await asyncio.gather(*(self.client.send(url, RUN, message) for url in self.order))
+    async def _replan_now(self, proposal, plan: list[Batch], in_flight: deque[int]) -> int:
+        """Stop the pipeline after the latest step any stage has begun, re-partition; returns steps run.
+
+        Steps sent but not begun anywhere are dropped and sent again to the new placement.
+        """
+        replies = await asyncio.gather(*(self.client.send(url, RUN, hold_envelope(self.run_id)) for url in self.order))
+        begun = [int(reply.envelope().meta.get("begun", -1)) for reply in replies]
+        last = max([*begun, self.ledger.completed_through, plan[0].step - 1])
+        await asyncio.gather(*(self.client.send(url, RUN, truncate_envelope(self.run_id, last)) for url in self.order))
         for step in in_flight:
-            await self._wait_step(step)
-        self.ledger.forget([batch.step for batch in unsent])
+            if step <= last:
+                await self._wait_step(step)
+        self.ledger.forget([batch.step for batch in plan if batch.step > last])
+        await self._repartition(proposal, last + 1)
+        return last + 1 - plan[0].step
 
     async def _send_batch(self, batch: Batch) -> None:
         """The step's inputs to the first stage and labels to the last: one message each (one in all)."""

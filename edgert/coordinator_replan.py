@@ -13,6 +13,7 @@ import asyncio
 import time
 
 from edgert.assignment import assign, migrate
+from edgert.devices import save_devices
 from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
 from edgert.protocol import HEALTH, Health
@@ -59,24 +60,28 @@ class ReplanMixin:
             await self.replanner.profile(self.client, workers, self.config.out_dir / "profile")
         except (TransportError, EdgertError) as error:
             raise TrainingError(f"profiling {', '.join(workers.values())} failed: {error}") from None
-        self.log.event("profiled", workers=list(workers.values()), seconds=round(time.perf_counter() - started, 3))
+        save_devices(self.replanner.devices, self.config.out_dir / "devices.json")
+        self.log.event("profiled", workers=list(workers.values()), seconds=round(time.perf_counter() - started, 3),
+                       devices_file="devices.json")
 
     # -- re-planning ---------------------------------------------------------------------------
 
-    def _observe(self) -> None:
-        measured = self.ledger.stage_compute_ms(self.config.replan_every)
-        step_ms = self.ledger.median_step_ms(self.config.replan_every)
+    def _observe(self, window: int) -> None:
+        measured = self.ledger.stage_times_ms(window)
+        step_ms = self.ledger.median_step_ms(window)
         self.replanner.observe(self.manifest, self.names, measured, step_ms)
 
-    async def _check_placement(self):
-        """A better placement for the times measured lately, or None (computed off the event loop)."""
-        self._observe()
+    async def _check_placement(self, window: int):
+        """A better placement for the times of the last ``window`` steps, or None (planned off the event loop)."""
+        self._observe(window)
         workers = list(self.known.values())
-        return await asyncio.get_running_loop().run_in_executor(
+        proposal = await asyncio.get_running_loop().run_in_executor(
             None, lambda: self.replanner.propose(self.manifest, self.names, candidates=workers))
+        self.log.event("placement_check", after_step=self.ledger.completed_through, **self.replanner.last_check)
+        return proposal
 
     async def _forced_replan(self, next_step: int) -> None:
-        self._observe()
+        self._observe(self.config.replan_every)
         cuts = dict(self.config.replan_at)[next_step]
         proposal = self.replanner.propose(self.manifest, self.names, force=True, cuts=cuts,
                                           candidates=list(self.known.values()))

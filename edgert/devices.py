@@ -38,6 +38,7 @@ class DeviceProfile:
     cores: int = 1
     slowdown: str = "0:1"  # emulated slowdown, when the device is an emulation
     blocks: tuple[BlockTiming, ...] = ()
+    whole: BlockTiming | None = None  # the whole model as one stage: with the units, a stage's fixed cost
 
     def timing(self, block: str) -> BlockTiming | None:
         for timing in self.blocks:
@@ -66,6 +67,7 @@ class DevicesFile:
     devices: tuple[DeviceProfile, ...]
     links: tuple[LinkProfile, ...] = ()
     notes: dict[str, Any] = field(default_factory=dict)
+    memory_mode: str = "recompute"  # how the backward was run (stash: its time includes the forward call)
 
     def device(self, name: str) -> DeviceProfile:
         for device in self.devices:
@@ -90,12 +92,13 @@ class DevicesFile:
             raise EdgertError(f"devices file version {data.get('format_version')!r} is not supported")
         try:
             devices = tuple(
-                DeviceProfile(**{**d, "blocks": tuple(BlockTiming(**b) for b in d.get("blocks", []))})
+                DeviceProfile(**{**d, "blocks": tuple(BlockTiming(**b) for b in d.get("blocks", [])),
+                                 "whole": BlockTiming(**d["whole"]) if d.get("whole") else None})
                 for d in data["devices"])
             return cls(model_sha256=data["model_sha256"], blocks=tuple(data["blocks"]),
                        micro_batch=int(data["micro_batch"]), devices=devices,
                        links=tuple(LinkProfile(**link) for link in data.get("links", [])),
-                       notes=dict(data.get("notes", {})))
+                       notes=dict(data.get("notes", {})), memory_mode=str(data.get("memory_mode", "recompute")))
         except (KeyError, TypeError, ValueError) as error:
             raise EdgertError(f"devices file is malformed: {type(error).__name__}: {error}") from None
 

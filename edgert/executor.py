@@ -11,15 +11,18 @@ Everything it does is timed, per step, for the coordinator's metrics and trace.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgert.gate import StepGate
 from edgert.inbox import Inbox, InboxSkipped
+from edgert.profiler import warm_up
 from edgert.schedule import stage_actions
-from edgert.slowdown import SlowdownSchedule
+from edgert.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.stage import StageSession
 
 Key = tuple[int, int]  # (step, micro-batch index within the step)
@@ -96,14 +99,16 @@ class StageExecutor:
         self.inbox = inbox
         self._send_forward = send_forward
         self._send_backward = send_backward
-        self.slowdown = slowdown
+        self.slowdown = SlowdownEmulator(slowdown)
+        self._warmed: set[int] = set()
         self.wait_timeout = wait_timeout
         # inputs (and, when stashing, saved activations) of each micro-batch until its backward
         self._held: dict[Key, tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
-        self._stash: dict[int, dict[str, np.ndarray]] = {}
+        self._stash: dict[int, np.ndarray] = {}  # weight version -> flat snapshot (async)
         self._stash_version: dict[Key, int] = {}
         self._version = 0
         self.activity = "idle"  # what the compute thread is doing now, for /health
+        self.gate = StepGate()
 
     @property
     def is_first(self) -> bool:
@@ -119,6 +124,7 @@ class StageExecutor:
         ``on_step`` is called with each step's report as soon as its optimizer step is done.
         """
         batches = list(window.microbatches)
+        self._warm_up(batches[0].size)
         actions = stage_actions(window.schedule, self.stage, window.stages, len(batches))
         reports = {step: StepReport(step=step, stage=self.stage, started=time.time()) for step in window.steps}
         last_backward: MicroBatch | None = None
@@ -128,6 +134,7 @@ class StageExecutor:
                 step = last_backward.step if window.schedule == "async" and last_backward else window.steps[-1]
             else:
                 step = batches[action.microbatch].step
+            self.gate.enter(step)
             if self._truncated(step):
                 continue  # the segment was cut short before this step
             self.activity = f"{ACTIVITY[action.kind]} {step}"
@@ -147,6 +154,13 @@ class StageExecutor:
         self.activity = "idle"
         return [reports[step] for step in done]
 
+    def _warm_up(self, rows: int) -> None:
+        """Before an emulated device first computes micro-batches of ``rows``: learn their warm times."""
+        if self.slowdown.schedule.emulates and rows not in self._warmed:
+            self._warmed.add(rows)
+            self.activity = "warming up"
+            warm_up(self.session, rows, self.slowdown)
+
     def _truncated(self, step: int) -> bool:
         return self.inbox.last_step is not None and step > self.inbox.last_step
 
@@ -162,7 +176,7 @@ class StageExecutor:
             return  # folded into the backward, which recomputes the forward anyway
         started = self._clock()
         outputs = self.session.forward(inputs, kept)
-        self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step)
+        self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step, ("F", batch.size))
         self._send(self._send_forward, batch.key, outputs, report)
 
     def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
@@ -173,13 +187,13 @@ class StageExecutor:
         else:
             labels = None
             gradients = self._take("grad", batch, report)
-        restore = self._swap_in_stashed(batch.key) if window.schedule == "async" and not self.is_last else None
+        stashed = self._stashed_version(batch.key) if window.schedule == "async" and not self.is_last else None
         started = self._clock()
-        result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
-                                       loss_scale=batch.loss_scale, saved=kept)
-        if restore is not None:
-            self.session.load_parameters(restore)
-        self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step)
+        with self.session.stashed_weights(stashed) if stashed is not None else contextlib.nullcontext():
+            result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
+                                           loss_scale=batch.loss_scale, saved=kept)
+        self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step,
+                       ("B", batch.size))
         if self.is_last:
             self._score(report, batch, result.loss, result.prediction, labels)
         if not self.is_first and result.input_gradients:
@@ -189,26 +203,23 @@ class StageExecutor:
         started = self._clock()
         self.session.step()
         self._version += 1
-        self._computed(report, "optimizer_ms", f"S{report.step}", started, report.step)
+        self._computed(report, "optimizer_ms", f"S{report.step}", started, report.step, "S")
         report.finished = time.time()
 
     # -- weight stashing (async) -------------------------------------------------------------
 
     def _stash_weights(self, key: Key) -> None:
         if self._version not in self._stash:
-            self._stash[self._version] = self.session.parameters(include_buffers=False)
+            self._stash[self._version] = self.session.weights_snapshot()
         self._stash_version[key] = self._version
 
-    def _swap_in_stashed(self, key: Key) -> dict[str, np.ndarray] | None:
+    def _stashed_version(self, key: Key) -> np.ndarray | None:
+        """The weights ``key``'s forward ran with, when the optimizer has stepped since (else None)."""
         version = self._stash_version.pop(key)
         weights = self._stash[version]
         if version not in self._stash_version.values():
             del self._stash[version]
-        if version == self._version:
-            return None
-        latest = self.session.parameters(include_buffers=False)
-        self.session.load_parameters(weights)
-        return latest
+        return None if version == self._version else weights
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -224,10 +235,10 @@ class StageExecutor:
         return time.perf_counter(), time.thread_time()
 
     def _computed(self, report: StepReport, field_name: str, name: str, started: tuple[float, float],
-                  step: int) -> None:
+                  step: int, call: Hashable) -> None:
         elapsed = time.perf_counter() - started[0]
         cpu = time.thread_time() - started[1] if self.session.single_threaded else None
-        slept = self.slowdown.emulate(step, elapsed, cpu)
+        slept = self.slowdown.emulate(step, call, elapsed, cpu)
         total = elapsed + slept
         setattr(report, field_name, getattr(report, field_name) + total * 1000)
         report.slowdown_ms += slept * 1000

@@ -28,6 +28,7 @@ class StepRecord:
     accuracy: float | None
     step_ms: float
     stages: list[dict[str, Any]] = field(default_factory=list)
+    placement: int = 0  # which placement (cuts and workers) ran it: times of another one are not comparable
 
 
 class StepLedger:
@@ -48,10 +49,12 @@ class StepLedger:
         self._events: dict[int, asyncio.Event] = {}
         self._last_finish: float | None = None
         self.recent: list[StepRecord] = []
+        self.placement = 0
 
     def configure(self, names: list[str]) -> None:
-        """The workers (by stage) of the steps expected from now on."""
+        """The workers (by stage) of the steps expected from now on: a new placement."""
         self.stages, self.names = len(names), list(names)
+        self.placement += 1
 
     def expect(self, step: int, epoch: int, samples: int) -> None:
         self._pending[step] = {}
@@ -137,7 +140,7 @@ class StepLedger:
                            "backward_ms": round(r.backward_ms, 3), "optimizer_ms": round(r.optimizer_ms, 3),
                            "idle_ms": round(r.idle_ms, 3), "transfer_ms": round(r.send_ms, 3),
                            "slowdown_ms": round(r.slowdown_ms, 3)})
-        record = StepRecord(step, epoch, samples, loss, accuracy, elapsed * 1000, stages)
+        record = StepRecord(step, epoch, samples, loss, accuracy, elapsed * 1000, stages, self.placement)
         self.completed += 1
         self.samples += samples
         self.last_loss = loss
@@ -149,14 +152,38 @@ class StepLedger:
         if self.on_complete is not None:
             self.on_complete(record)
 
-    def stage_compute_ms(self, last: int) -> list[float]:
-        """Median compute (forward + backward + optimizer) per stage over the last ``last`` steps."""
-        window = self.recent[-last:]
+    def stage_times_ms(self, last: int) -> list[tuple[float, float, float]]:
+        """Median forward, backward and optimizer ms per step of each stage over the last ``last`` steps.
+
+        Only steps of the current placement count; none yet gives an empty list.
+        """
+        window = self._window(last)
         if not window:
             return []
-        return [statistics.median(r.stages[k]["forward_ms"] + r.stages[k]["backward_ms"] + r.stages[k]["optimizer_ms"]
-                                  for r in window) for k in range(len(window[-1].stages))]
+        return [tuple(statistics.median(r.stages[k][key] for r in window)
+                      for key in ("forward_ms", "backward_ms", "optimizer_ms"))
+                for k in range(self.stages)]
+
+    def speed_changed(self, recent: int = 2, factor: float = 1.5, baseline: int = 5) -> bool:
+        """Whether some stage's compute in each of the last ``recent`` steps differs from its median
+        over the ``baseline`` steps before them by more than ``factor`` (a device changed speed)."""
+        window = self._window(recent + baseline)
+        if len(window) < recent + baseline:
+            return False
+        for k in range(self.stages):
+            compute = [sum(r.stages[k][key] for key in ("forward_ms", "backward_ms", "optimizer_ms"))
+                       for r in window]
+            usual = statistics.median(compute[:baseline])
+            if usual <= 0:
+                continue
+            ratios = [c / usual for c in compute[baseline:]]
+            if all(r > factor for r in ratios) or all(r < 1 / factor for r in ratios):
+                return True
+        return False
+
+    def _window(self, last: int) -> list[StepRecord]:
+        return [r for r in self.recent[-last:] if r.placement == self.placement]
 
     def median_step_ms(self, last: int) -> float:
-        window = self.recent[-last:]
+        window = self._window(last)
         return statistics.median(r.step_ms for r in window) if window else 0.0

@@ -8,8 +8,10 @@ over its resident size before the runs.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
+from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ import numpy as np
 from edgert.devices import BlockTiming
 from edgert.manifest import BoundaryTensor
 from edgert.optimizer import make_optimizer
-from edgert.slowdown import SlowdownSchedule
+from edgert.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.stage import StageSession
 
 
@@ -31,56 +33,89 @@ def random_tensor(tensor: BoundaryTensor, batch: int, rng: np.random.Generator) 
 
 def measure_stage(session: StageSession, micro_batch: int, repeats: int = 5, warmup: int = 2,
                   slowdown: SlowdownSchedule | None = None, name: str | None = None) -> BlockTiming:
-    """Median forward and backward milliseconds of one micro-batch, and peak bytes."""
-    entry = session.entry
-    rng = np.random.default_rng(0)
-    inputs = {t.name: random_tensor(t, micro_batch, rng) for t in entry.inputs}
-    labels = {t.name: random_tensor(t, micro_batch, rng) for t in entry.labels}
-    gradients = {t.name: random_tensor(t, micro_batch, rng) for t in entry.outputs if t.name in entry.output_gradients}
-    slowdown = slowdown or SlowdownSchedule()
+    """Median forward and backward milliseconds of one micro-batch, and peak bytes.
+
+    The backward is timed as training without stashing runs it: the forward it recomputes
+    included (a stashing session's forward time is added to it).
+    """
+    feeds = _random_feeds(session, micro_batch)
+    emulator = SlowdownEmulator(slowdown)
     forward, backward, optimizer = [], [], []
     saved = session.parameters()
     resident = _resident_bytes()
     _reset_peak()
     for attempt in range(warmup + repeats):
-        start = _clock()
-        session.forward(inputs, {} if session.stashing else None)
-        forward_ms = _elapsed_ms(start, slowdown, session.single_threaded)
-        start = _clock()
-        session.backward(inputs, output_gradients=gradients or None, labels=labels or None,
-                         saved=_kept(session, inputs))
-        backward_ms = _elapsed_ms(start, slowdown, session.single_threaded)
-        start = _clock()
-        session.step()
-        optimizer_ms = _elapsed_ms(start, slowdown, True)
-        if attempt >= warmup:
+        emulate = attempt >= warmup  # warm-ups run back to back: they give the emulator warm times
+        forward_ms, backward_ms, optimizer_ms = _one_pass(session, feeds, micro_batch, emulator, emulate)
+        if emulate:
             forward.append(forward_ms)
-            backward.append(backward_ms)
+            backward.append(backward_ms + (forward_ms if session.stashing else 0.0))
             optimizer.append(optimizer_ms)
     peak = max(_peak_bytes() - resident, 0)
     session.load_parameters(saved)  # measuring must not train
     session.optimizer = make_optimizer(session.training)
-    return BlockTiming(block=name or "+".join(entry.blocks), forward_ms=round(statistics.median(forward), 4),
+    return BlockTiming(block=name or "+".join(session.entry.blocks), forward_ms=round(statistics.median(forward), 4),
                        backward_ms=round(statistics.median(backward), 4), peak_bytes=int(peak),
                        optimizer_ms=round(statistics.median(optimizer), 4))
 
 
-def _kept(session: StageSession, inputs: dict) -> dict | None:
-    if not session.stashing:
-        return None
-    kept: dict = {}
-    session.forward(inputs, kept)
-    return kept
+def warm_up(session: StageSession, micro_batch: int, emulator: SlowdownEmulator, passes: int = 2) -> None:
+    """Run the stage back to back on random data so ``emulator`` knows its warm compute times.
+
+    Parameters, running statistics and optimizer state are restored: nothing is learnt.
+    """
+    feeds = _random_feeds(session, micro_batch)
+    saved, optimizer = session.parameters(), copy.deepcopy(session.optimizer)
+    try:
+        for _ in range(passes):
+            _one_pass(session, feeds, micro_batch, emulator, emulate=False)
+    finally:
+        session.load_parameters(saved)
+        session.optimizer = optimizer
+        session.zero_grad()
+
+
+Feeds = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]
+
+
+def _random_feeds(session: StageSession, micro_batch: int) -> Feeds:
+    """Inputs, labels and output gradients of one seeded random micro-batch."""
+    entry = session.entry
+    rng = np.random.default_rng(0)
+    return ({t.name: random_tensor(t, micro_batch, rng) for t in entry.inputs},
+            {t.name: random_tensor(t, micro_batch, rng) for t in entry.labels},
+            {t.name: random_tensor(t, micro_batch, rng) for t in entry.outputs if t.name in entry.output_gradients})
+
+
+def _one_pass(session: StageSession, feeds: Feeds, rows: int, emulator: SlowdownEmulator,
+              emulate: bool) -> tuple[float, float, float]:
+    """Forward, backward and optimizer step, as the executor runs them; ms each (emulated or warm)."""
+    inputs, labels, gradients = feeds
+    keep: dict | None = {} if session.stashing else None
+    start = _clock()
+    session.forward(inputs, keep)
+    forward_ms = _elapsed_ms(start, emulator, ("F", rows), session.single_threaded, emulate)
+    start = _clock()
+    session.backward(inputs, output_gradients=gradients or None, labels=labels or None, saved=keep)
+    backward_ms = _elapsed_ms(start, emulator, ("B", rows), session.single_threaded, emulate)
+    start = _clock()
+    session.step()
+    optimizer_ms = _elapsed_ms(start, emulator, "S", True, emulate)
+    return forward_ms, backward_ms, optimizer_ms
 
 
 def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def _elapsed_ms(start: tuple[float, float], slowdown: SlowdownSchedule, single_threaded: bool) -> float:
+def _elapsed_ms(start: tuple[float, float], emulator: SlowdownEmulator, call: Hashable, single_threaded: bool,
+                emulate: bool) -> float:
     wall = time.perf_counter() - start[0]
     cpu = time.thread_time() - start[1] if single_threaded else None
-    slept = slowdown.emulate(0, wall, cpu)
+    if not emulate:
+        emulator.record(call, wall, cpu)
+        return wall * 1000
+    slept = emulator.emulate(0, call, wall, cpu)
     return (wall + slept) * 1000
 
 

@@ -163,6 +163,12 @@ class Segment:
         return segment
 
 
+def hold_envelope(run_id: str) -> Envelope:
+    """``POST /run`` with ``meta.command = "hold"``: begin no new step; the reply's ``meta.begun``
+    is the latest step this stage has begun (-1: none). A truncation releases the hold."""
+    return Envelope(kind="control", run_id=run_id, meta={"command": "hold"})
+
+
 def truncate_envelope(run_id: str, last_step: int) -> Envelope:
     """``POST /run`` with ``meta.command = "truncate"``: no step after ``last_step`` runs."""
     return Envelope(kind="control", run_id=run_id, step=last_step,

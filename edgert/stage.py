@@ -11,8 +11,9 @@ arrays owned here, fed to ORT by reference and stepped in place by the optimizer
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,6 +208,26 @@ class StageSession:
         names = self._trainable + (self._buffers if include_buffers else [])
         with self.lock:
             return {name: self._values[name].copy() for name in names}
+
+    def weights_snapshot(self) -> np.ndarray:
+        """One contiguous copy of the trainable parameters (what weight stashing keeps per version)."""
+        with self.lock:
+            return self._flat.flat.copy()
+
+    @contextlib.contextmanager
+    def stashed_weights(self, snapshot: np.ndarray) -> Iterator[None]:
+        """Run with a :meth:`weights_snapshot` as the trainable parameters the graphs read, without copying.
+
+        Gradients still accumulate for, and the optimizer still steps, the live parameters.
+        Readers of the parameters wait until the block ends.
+        """
+        with self.lock:
+            live = {name: self._values[name] for name in self._trainable}
+            self._values.update({name: self._flat.piece(snapshot, name) for name in self._trainable})
+            try:
+                yield
+            finally:
+                self._values.update(live)
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Copies of the accumulated parameter gradients, by name (zeros before any backward)."""

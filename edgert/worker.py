@@ -54,7 +54,7 @@ from edgert.protocol import (
     reports_to_envelope,
 )
 from edgert.replica import CopyStore
-from edgert.slowdown import SlowdownSchedule
+from edgert.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.stage import StageSession, Threads
 from edgert.transport import (
     BadRequest,
@@ -102,6 +102,7 @@ class Worker(StateResources, MeasureResources):
         self.client = TensorClient(ClientConfig(timeout=config.send_timeout, retries=3), config.limits)
         self.inbox = Inbox()
         self.health = Health(name=config.name, state="idle", slowdown=str(config.slowdown))
+        self._emulator = SlowdownEmulator(config.slowdown)  # for state copies; each stage has its own
         self.assignment: StageAssignment | None = None
         self.session: StageSession | None = None
         self.executor: StageExecutor | None = None
@@ -157,6 +158,8 @@ class Worker(StateResources, MeasureResources):
     async def shutdown(self) -> None:
         """Stop computing, stop serving, remove the work folder."""
         self.inbox.abort("worker is shutting down")
+        if self.executor is not None:
+            self.executor.gate.open()
         self._windows.put(None)
         if self._compute is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._compute.join, 10)
@@ -256,11 +259,16 @@ class Worker(StateResources, MeasureResources):
         self.health = Health(name=self.config.name, state="loaded", run_id=assignment.run_id,
                              stage=assignment.entry.index, slowdown=str(self.config.slowdown))
 
-    async def _on_run(self, request: Request) -> None:
+    async def _on_run(self, request: Request) -> Envelope | None:
         self._check_run(request.envelope)
-        if request.envelope.meta.get("command") == "truncate":
+        command = request.envelope.meta.get("command")
+        if command == "hold":
+            begun = self.executor.gate.hold()
+            return Envelope(kind="control", run_id=self.assignment.run_id, step=max(begun, 0),
+                            meta={"command": "hold", "begun": begun, "worker": self.config.name})
+        if command == "truncate":
             self._truncate(request.envelope.meta.get("last_step"))
-            return
+            return None
         try:
             segment = Segment.from_envelope(request.envelope)
         except ProtocolError as error:
@@ -278,6 +286,7 @@ class Worker(StateResources, MeasureResources):
         if not isinstance(last_step, int) or last_step < 0:
             raise BadRequest(f"truncate needs meta.last_step, a step number (got {last_step!r})")
         self.inbox.truncate(last_step)
+        self.executor.gate.open()
         kept = []
         while not self._windows.empty():
             item = self._windows.get_nowait()
@@ -320,6 +329,8 @@ class Worker(StateResources, MeasureResources):
 
     async def _stop_run(self, reason: str) -> None:
         self.inbox.abort(reason)
+        if self.executor is not None:
+            self.executor.gate.open()
         while not self._windows.empty():
             self._windows.get_nowait()
         self._segments.clear()
@@ -417,7 +428,7 @@ class Worker(StateResources, MeasureResources):
         state = StageState(parameters=self.session.parameters(), optimizer=self.session.optimizer_state(),
                            step=report.step, stage=self.assignment.entry.index)
         # an emulated slower device also copies its state more slowly
-        self.config.slowdown.emulate(report.step, time.perf_counter() - started, time.thread_time() - cpu)
+        self._emulator.emulate(report.step, "replicate", time.perf_counter() - started, time.thread_time() - cpu)
         self.copies.put(state, SELF)
         envelope = state.to_envelope(self.assignment.run_id)
         envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, step=envelope.step, stage=envelope.stage,

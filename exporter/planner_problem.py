@@ -39,6 +39,7 @@ class DeviceCosts:
     peak_bytes: tuple[int, ...]  # per unit: transient memory of its backward
     memory_bytes: int = 0  # 0 = unknown, unlimited
     cores: int = 1
+    call_ms: float = 0.0  # per stage and micro-batch, whatever its units: session calls, boundary I/O
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,9 @@ def build_tables(problem: PlanProblem) -> Tables:
     upper = np.triu(np.ones((units + 1, units + 1), dtype=bool), k=1)
     # stashing: the forward (F) plus a backward without the recomputed forward (B - F) is B
     per_range = _ranges(backward) if problem.stash else _ranges(forward) + _ranges(backward)
-    work = np.where(upper, np.maximum(per_range, TINY_MS), np.inf)
-    last_work = np.maximum(backward[:, -1:] - backward, TINY_MS)
+    calls = np.array([d.call_ms for d in problem.devices], dtype=float)
+    work = np.where(upper, np.maximum(per_range + calls[:, None, None], TINY_MS), np.inf)
+    last_work = np.maximum(backward[:, -1:] - backward + calls[:, None], TINY_MS)
     last_work[:, -1] = np.inf
     params = _ranges(_prefix([[u.param_bytes for u in problem.units]]))[0]
     bandwidth = np.array(problem.bandwidth, dtype=float)

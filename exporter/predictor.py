@@ -189,16 +189,20 @@ class LatencyPredictor:
 
     # -- learning online -------------------------------------------------------------------------
 
-    def observe(self, device: str, features: Features, micro_batch: int, forward_ms: float,
+    def observe(self, device: str, features: Features, micro_batch: int, forward_ms: float | None,
                 backward_ms: float) -> None:
-        """Refine ``device``'s rates from one measured stage (an unknown device is added first)."""
-        _check_measured(device, forward_ms, backward_ms)
+        """Refine ``device``'s rates from one measured stage (an unknown device is added first).
+
+        ``forward_ms`` is None when the stage runs no separate forward (a pipeline's last stage).
+        """
+        _check_measured(device, backward_ms if forward_ms is None else forward_ms, backward_ms)
         row = design_row(features, micro_batch)
         if device not in self.devices:
             self.add_device(device)
         state = self.devices[device]
         for direction, measured in enumerate((forward_ms, backward_ms)):
-            self._filter_step(state, direction, row, measured)
+            if measured is not None:
+                self._filter_step(state, direction, row, measured)
         state.observations += 1
 
     def _filter_step(self, state: _DeviceState, direction: int, row: np.ndarray, measured: float) -> None:

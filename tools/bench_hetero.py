@@ -8,14 +8,17 @@ speeds (``--slowdown``: each computation lasts F times its compute time):
    measures them; the planner cuts ``mlp-deep`` for them (``planned``); the same model cut
    into equal-work stages in device order (``equal``); and the *ideal*, the sum of the
    devices' individual speeds on the whole model: the fastest device training the whole
-   model alone, measured, times (1 + 1/2 + 1/5 + 1/10) (emulated devices scale exactly).
+   model alone, measured before and after the others (the host's speed drifts), times
+   (1 + 1/2 + 1/5 + 1/10) (emulated devices scale exactly).
    Ratios ``planned_vs_equal``, ``planned_vs_ideal``.
 
    The emulated factors are multiplied by ``--slowdown-base`` (default 2: devices 2x, 4x,
    10x and 20x slower than this host). This machine has 2 cores; a 1x device computes
    without sleeping and would compete with the other three workers and the coordinator for
-   them, so the benchmark would measure this host's contention, not the system.
+   them, so the benchmark would measure this host's contention, not the system. (Busy, the
+   four need 0.9 of a core: 1/2 + 1/4 + 1/10 + 1/20.)
 2. Four devices at 1x, one of which slows to 8x at step ``--change-at`` (``--slowdown-schedule``),
+   emulated at twice the base (4x and 32x by default: three equal devices need twice the headroom),
    trained with ``--replan auto``: ``steps_to_recover_after_slowdown`` counts the steps after
    the change until a step runs within 80% of the new ideal (the same devices with the slow
    one at 8x, planned for from the start and measured in this run).
@@ -82,59 +85,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="mlp-deep")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--schedule", default="async")
     parser.add_argument("--memory-mode", default="stash")
     parser.add_argument("--change-at", type=int, default=30)
     parser.add_argument("--slowdown-base", type=float, default=2.0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", type=Path, help="write the plans and runs here (default: a temporary folder)")
+    parser.add_argument("--part", choices=("all", "spread", "slowdown"), default="all",
+                        help="the 1/2/5/10x comparison, the mid-run slowdown, or both")
     args = parser.parse_args(argv)
     common = dict(batch_size=args.batch_size, micro_batches=args.micro_batches, schedule=args.schedule,
                   memory_mode=args.memory_mode, steps=args.steps, epochs=100)
     rows, ratios = [], {}
     with tempfile.TemporaryDirectory(prefix="edgert-hetero-") as scratch_name:
-        scratch = Path(scratch_name)
+        scratch = Path(args.keep or scratch_name)
+        scratch.mkdir(parents=True, exist_ok=True)
         model = scratch / "model.onnx"
         save_model(build_model(args.model), model)
         source, analysis = _source_and_analysis(model)
-        micro = args.batch_size // (1 if args.schedule == "async" else args.micro_batches)
-
-        names = [f"x{s}" for s in SPREAD]
-        factors = [f"{s * args.slowdown_base:g}" for s in SPREAD]
-        with LocalCluster(4, slowdowns=factors, names=names) as cluster:
-            devices = profile_devices(model, cluster.urls, micro_batch=micro, repeats=3)
-            save_devices(devices, scratch / "devices.json")
-            by_name = dict(zip(names, cluster.urls))
-
-            cuts, order, predicted = planned_cuts(model, scratch, scratch / "devices.json", names,
-                                                  args.batch_size, args.micro_batches, args.schedule,
-                                                  args.memory_mode)
-            write_plan(source, analysis, cuts, scratch / "planned", TrainingConfig())
-            planned, records = run(scratch / "planned", [by_name[n] for n in order], scratch / "run-planned",
-                                   **common)
-            planned = steady_rate(records, skip=5)
-            rows.append({"run": "planned", "devices": order, "cuts": cuts, "samples_per_s": round(planned, 1),
-                         "predicted_step_ms": round(predicted, 2)})
-
-            equal = balanced_cuts(analysis, 4)
-            write_plan(source, analysis, equal, scratch / "equal", TrainingConfig())
-            _, records = run(scratch / "equal", cluster.urls, scratch / "run-equal", **{**common, "steps": 15})
-            equal_rate = steady_rate(records, skip=3)
-            rows.append({"run": "equal", "devices": names, "cuts": equal, "samples_per_s": round(equal_rate, 1)})
-
-            write_plan(source, analysis, [], scratch / "whole-plan", TrainingConfig())
-            _, records = run(scratch / "whole-plan", [by_name["x1"]], scratch / "run-alone",
-                             **{**common, "steps": 25, "memory_mode": "recompute"})
-            alone = steady_rate(records, skip=5)
-            ideal = alone * sum(1 / s for s in SPREAD)
-            rows.append({"run": "x1 alone (whole model)", "samples_per_s": round(alone, 1),
-                         "ideal_sum_of_speeds": round(ideal, 1)})
-        ratios["planned_vs_equal"] = round(planned / equal_rate, 3)
-        ratios["planned_vs_ideal"] = round(planned / ideal, 3)
-
-        recovery = _recovery(args, model, source, analysis, scratch, common)
-        rows.extend(recovery["rows"])
-        ratios["steps_to_recover_after_slowdown"] = recovery["steps"]
+        if args.part in ("all", "spread"):
+            spread = _spread(args, model, source, analysis, scratch, common)
+            rows.extend(spread["rows"])
+            ratios.update(spread["ratios"])
+        if args.part in ("all", "slowdown"):
+            recovery = _recovery(args, model, source, analysis, scratch, common)
+            rows.extend(recovery["rows"])
+            ratios["steps_to_recover_after_slowdown"] = recovery["steps"]
 
     result = {"rows": rows, "ratios": ratios, "model": args.model, "schedule": args.schedule,
               "memory_mode": args.memory_mode}
@@ -147,15 +124,56 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _spread(args, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
+    """Four devices at 1, 2, 5 and 10x: planned cuts against equal cuts and against the ideal."""
+    rows = []
+    micro = args.batch_size // (1 if args.schedule == "async" else args.micro_batches)
+    names = [f"x{s}" for s in SPREAD]
+    factors = [f"{s * args.slowdown_base:g}" for s in SPREAD]
+    with LocalCluster(4, slowdowns=factors, names=names) as cluster:
+        devices = profile_devices(model, cluster.urls, micro_batch=micro, repeats=3, memory_mode=args.memory_mode)
+        save_devices(devices, scratch / "devices.json")
+        by_name = dict(zip(names, cluster.urls))
+        write_plan(source, analysis, [], scratch / "whole-plan", TrainingConfig())
+
+        def alone(tag: str) -> float:
+            """The fastest device training the whole model by itself (measured before and after)."""
+            _, records = run(scratch / "whole-plan", [by_name["x1"]], scratch / f"run-alone-{tag}",
+                             **{**common, "steps": 25, "memory_mode": "recompute"})
+            return steady_rate(records, skip=5)
+
+        alone_before = alone("before")
+        cuts, order, predicted = planned_cuts(model, scratch, scratch / "devices.json", names, args.batch_size,
+                                              args.micro_batches, args.schedule, args.memory_mode)
+        write_plan(source, analysis, cuts, scratch / "planned", TrainingConfig())
+        _, records = run(scratch / "planned", [by_name[n] for n in order], scratch / "run-planned", **common)
+        planned = steady_rate(records, skip=5)
+        rows.append({"run": "planned", "devices": order, "cuts": cuts, "samples_per_s": round(planned, 1),
+                     "predicted_step_ms": round(predicted, 2)})
+
+        equal = balanced_cuts(analysis, 4)
+        write_plan(source, analysis, equal, scratch / "equal", TrainingConfig())
+        _, records = run(scratch / "equal", cluster.urls, scratch / "run-equal", **{**common, "steps": 15})
+        equal_rate = steady_rate(records, skip=3)
+        rows.append({"run": "equal", "devices": names, "cuts": equal, "samples_per_s": round(equal_rate, 1)})
+
+        alone_after = alone("after")
+        ideal = (alone_before + alone_after) / 2 * sum(1 / s for s in SPREAD)
+        rows.append({"run": "x1 alone (whole model), before and after", "samples_per_s":
+                     [round(alone_before, 1), round(alone_after, 1)], "ideal_sum_of_speeds": round(ideal, 1)})
+    return {"rows": rows, "ratios": {"planned_vs_equal": round(planned / equal_rate, 3),
+                                     "planned_vs_ideal": round(planned / ideal, 3)}}
+
+
 def _recovery(args, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
     """One device slows from 1x to 8x mid-run; re-planning must bring throughput back."""
-    base = args.slowdown_base
+    base = 2 * args.slowdown_base  # three devices at the base speed: twice the headroom of the 1/2/5/10 cluster
     after = [f"{base:g}"] * 3 + [f"{8 * base:g}"]
     names = ["a", "b", "c", "d"]
     schedules = [f"{base:g}"] * 3 + [f"0:{base:g},{args.change_at}:{8 * base:g}"]
     with LocalCluster(4, slowdowns=list(after), names=names) as cluster:
         devices = profile_devices(model, cluster.urls, micro_batch=args.batch_size // (
-            1 if args.schedule == "async" else args.micro_batches), repeats=3)
+            1 if args.schedule == "async" else args.micro_batches), repeats=3, memory_mode=args.memory_mode)
         save_devices(devices, scratch / "devices-after.json")
         cuts, order, _ = planned_cuts(model, scratch, scratch / "devices-after.json", names, args.batch_size,
                                       args.micro_batches, args.schedule, args.memory_mode)

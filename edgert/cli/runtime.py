@@ -157,7 +157,10 @@ def print_summary(summary, as_json: bool) -> None:
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--micro-batch", type=int, default=16, show_default=True, help="Samples per measured micro-batch.")
 @click.option("--repeats", type=int, default=5, show_default=True)
-def profile_command(model: Path, workers: str, out_path: Path, micro_batch: int, repeats: int) -> None:
+@click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True,
+              help="Measure the backward as training will run it (edgert train --memory-mode).")
+def profile_command(model: Path, workers: str, out_path: Path, micro_batch: int, repeats: int,
+                    memory_mode: str) -> None:
     """Measure each worker on MODEL's units (forward, backward, memory) and every link between workers."""
     from edgert.cli.host import require_host_extra
 
@@ -166,10 +169,13 @@ def profile_command(model: Path, workers: str, out_path: Path, micro_batch: int,
     from edgert.exporter.profiling import profile_devices
 
     urls = [w.strip() for w in workers.split(",") if w.strip()]
-    devices = profile_devices(model, urls, micro_batch, repeats, progress=lambda m: click.echo(m, err=True))
+    devices = profile_devices(model, urls, micro_batch, repeats, progress=lambda m: click.echo(m, err=True),
+                              memory_mode=memory_mode)
     save_devices(devices, out_path)
     for device in devices.devices:
-        total = sum(t.forward_ms + t.backward_ms for t in device.blocks)
+        whole = device.whole
+        total = whole.forward_ms + whole.backward_ms if whole else sum(t.forward_ms + t.backward_ms
+                                                                         for t in device.blocks)
         click.echo(f"{device.name}: {total:.2f} ms per micro-batch (forward + backward, whole model), "
                    f"{device.cores} cores, {device.memory_bytes / 2**20:.0f} MiB available")
     for link in devices.links:

@@ -1,0 +1,170 @@
+"""The re-planner's device costs: profiles, the latency predictor for unprofiled workers, learning online."""
+
+import numpy as np
+import pytest
+
+from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, save_devices
+from edgert.exporter.export import ExportOptions, export_plan
+from edgert.exporter.replanner import Replanner, split_stage_cost
+from edgert.manifest import load_manifest
+from edgert.models import build_model, save_model
+
+MICRO_BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("replan")
+    save_model(build_model("mlp-deep"), folder / "model.onnx")
+    export_plan(folder / "model.onnx", folder / "plan", ExportOptions(stages=2))
+    return folder / "plan"
+
+
+def unit_truth(replanner: Replanner, slowness: float) -> list[tuple[float, float]]:
+    """A device ``slowness`` times a reference one: forward, backward ms per unit at MICRO_BATCH.
+
+    Linear in the unit's FLOPs and parameter bytes, with a per-call cost, as on a real CPU.
+    """
+    times = []
+    for first, end in replanner._units:
+        blocks = replanner.analysis.blocks[first:end]
+        flops = sum(b.flops for b in blocks) * MICRO_BATCH
+        params = sum(b.param_bytes for b in blocks)
+        forward = 0.05 + flops * 4e-7 + params * 2e-7
+        times.append((forward * slowness, (0.08 + 2.6 * forward) * slowness))
+    return times
+
+
+def profiled(replanner: Replanner, name: str, slowness: float) -> DeviceProfile:
+    blocks = tuple(BlockTiming(block="+".join(b.name for b in replanner.analysis.blocks[a:e]), forward_ms=f,
+                               backward_ms=b, optimizer_ms=0.01)
+                   for (a, e), (f, b) in zip(replanner._units, unit_truth(replanner, slowness)))
+    return DeviceProfile(name=name, blocks=blocks)
+
+
+@pytest.fixture(scope="module")
+def devices_json(plan, tmp_path_factory):
+    replanner = Replanner(plan, load_manifest(plan), tmp_path_factory.mktemp("cache"), micro_batches=4)
+    devices = DevicesFile(model_sha256=replanner.source.sha256, blocks=tuple(
+        "+".join(b.name for b in replanner.analysis.blocks[a:e]) for a, e in replanner._units),
+        micro_batch=MICRO_BATCH, devices=(profiled(replanner, "a", 1.0), profiled(replanner, "b", 2.0)))
+    return save_devices(devices, tmp_path_factory.mktemp("devices") / "devices.json")
+
+
+def stage_truth(replanner: Replanner, manifest, workers: list[str], slowness: dict[str, float], micro_batches: int):
+    """What the ledger would report: per stage (forward, backward, optimizer) ms per step."""
+    cuts = [0, *replanner.block_cuts(manifest), len(replanner.analysis.blocks)]
+    reports = []
+    for k, worker in enumerate(workers):
+        truth = unit_truth(replanner, slowness[worker])
+        units = [u for u, (a, e) in enumerate(replanner._units) if cuts[k] <= a and e <= cuts[k + 1]]
+        last = k == len(workers) - 1
+        forward = 0.0 if last else sum(truth[u][0] for u in units) * micro_batches
+        backward = sum(truth[u][1] for u in units) * micro_batches
+        reports.append((forward, backward, 0.01 * len(units)))
+    return reports
+
+
+def stage_prediction(replanner: Replanner, worker: str, manifest, k: int) -> float:
+    cuts = [0, *replanner.block_cuts(manifest), len(replanner.analysis.blocks)]
+    forward, backward, call = replanner._costs(worker)
+    units = [u for u, (a, e) in enumerate(replanner._units) if cuts[k] <= a and e <= cuts[k + 1]]
+    return sum(forward[u] + backward[u] for u in units) + call
+
+
+def test_profiled_workers_cost_what_their_profile_says(plan, devices_json, tmp_path):
+    replanner = Replanner(plan, load_manifest(plan), tmp_path, devices=devices_json, batch_size=64, micro_batches=4)
+    forward, backward, _ = replanner._costs("b")
+    truth = unit_truth(replanner, 2.0)
+    assert forward == pytest.approx([f for f, _ in truth], rel=1e-9)
+    assert not replanner._predicts("b")
+    assert replanner._predicts("stranger")
+
+
+def test_an_unprofiled_worker_is_predicted_then_learnt_online(plan, devices_json, tmp_path):
+    """A worker nobody profiled, 4x slower than ``a``: after a few reported steps its stage costs are right."""
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, devices=devices_json, batch_size=64, micro_batches=4)
+    slowness = {"a": 1.0, "c": 4.0}
+    truth_c = sum(f + b for f, b, _ in stage_truth(replanner, manifest, ["c", "a"], slowness, 4)[:1]) / 4
+    before = stage_prediction(replanner, "c", manifest, 0)
+    assert abs(before / truth_c - 1) > 0.4  # the population (between a and b) does not know c is 4x slower
+    for workers in (["c", "a"], ["a", "c"]) * 3:
+        replanner.observe(manifest, workers, stage_truth(replanner, manifest, workers, slowness, 4), 0.0)
+    after = stage_prediction(replanner, "c", manifest, 0)
+    assert after == pytest.approx(truth_c, rel=0.15)
+    assert replanner.predictor.devices["c"].observations == 6
+    assert "c" not in replanner._factor  # learnt by the predictor, not double-corrected by a factor
+
+
+def test_the_planner_gives_a_slow_unprofiled_worker_less_work(plan, devices_json, tmp_path):
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, devices=devices_json, batch_size=64, micro_batches=4,
+                          threshold=0.0)
+    slowness = {"a": 1.0, "c": 6.0}
+    for _ in range(4):
+        replanner.observe(manifest, ["a", "c"], stage_truth(replanner, manifest, ["a", "c"], slowness, 4), 0.0)
+    proposal = replanner.propose(manifest, ["a", "c"], force=True)
+    cuts = [0, *proposal.cuts, len(replanner.analysis.blocks)]
+    share = {w: cuts[k + 1] - cuts[k] for k, w in enumerate(proposal.workers)}
+    flops = [b.flops for b in replanner.analysis.blocks]
+    work = {w: sum(flops[cuts[k]:cuts[k + 1]]) for k, w in enumerate(proposal.workers)}
+    assert share["c"] >= 1
+    assert work["a"] > 3 * work["c"], work  # ideal split is 6:1; equal cuts would be 1:1
+
+
+def test_without_profiles_flops_stand_in_and_measurements_correct_them(plan, tmp_path):
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, batch_size=64, micro_batches=4)
+    assert replanner.predictor is None
+    workers = ["a", "b"]
+    slowness = {"a": 1.0, "b": 3.0}
+    reports = stage_truth(replanner, manifest, workers, slowness, 4)
+    for _ in range(6):
+        replanner.observe(manifest, workers, reports, 0.0)
+    measured = [sum(r) / 4 for r in reports]
+    cuts = [0, *replanner.block_cuts(manifest), len(replanner.analysis.blocks)]
+    for k, worker in enumerate(workers):
+        # the factor makes the stage as a whole right (its mix of forward and backward may still be off)
+        predicted = replanner._stage_work(worker, cuts[k], cuts[k + 1], last=k == 1)
+        assert predicted * replanner._factor[worker] == pytest.approx(measured[k], rel=0.05)
+    assert np.isfinite(list(replanner._factor.values())).all()
+
+
+def test_split_stage_cost_recovers_the_fixed_cost_of_a_stage():
+    net = [1.0, 2.0, 3.0, 4.0]
+    measured = [v + 0.5 for v in net]  # each unit measured alone pays 0.5 ms of calls
+    costs = split_stage_cost(measured, measured, [0.1] * 4, (sum(net) + 0.5, sum(net) + 0.5, 0.4))
+    assert costs.call == pytest.approx((0.5, 0.5, 0.0))
+    assert costs.forward == pytest.approx(net)
+    # never more than the cheapest unit, nothing without a whole-model time
+    assert split_stage_cost([1.0, 9.0], [1.0, 9.0], [0, 0], (0.0, 0.0, 0.0)).call[0] == 1.0
+    assert split_stage_cost([1.0, 2.0], [1.0, 2.0], [0, 0], None).call == (0.0, 0.0, 0.0)
+    # a whole that costs more than its units: the excess is spread (the optimizer's by parameter bytes)
+    costs = split_stage_cost([1.0, 2.0], [1.0, 2.0], [1.0, 1.0], (6.0, 3.0, 4.0), param_bytes=[300, 100])
+    assert costs.call == (0.0, 0.0, 0.0)
+    assert costs.forward == pytest.approx([2.0, 4.0])
+    assert costs.optimizer == pytest.approx([2.5, 1.5])
+
+
+def test_a_profiled_stage_costs_its_units_plus_one_fixed_cost(plan, tmp_path):
+    """Profiles that over-count per-unit calls: the planner's cost of a many-unit stage is the measured one."""
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, batch_size=64, micro_batches=1, schedule="async")
+    truth = unit_truth(replanner, 1.0)
+    call = (0.3, 0.6, 0.0)
+    blocks = tuple(BlockTiming(block="+".join(b.name for b in replanner.analysis.blocks[a:e]), forward_ms=f + call[0],
+                               backward_ms=b + call[1]) for (a, e), (f, b) in zip(replanner._units, truth))
+    whole = BlockTiming(block="all", forward_ms=sum(f for f, _ in truth) + call[0],
+                        backward_ms=sum(b for _, b in truth) + call[1])
+    devices = DevicesFile(model_sha256=replanner.source.sha256, blocks=tuple(t.block for t in blocks),
+                          micro_batch=MICRO_BATCH, devices=(DeviceProfile(name="a", blocks=blocks, whole=whole),))
+    path = save_devices(devices, tmp_path / "devices.json")
+    replanner = Replanner(plan, manifest, tmp_path, devices=path, batch_size=MICRO_BATCH, micro_batches=1,
+                          schedule="async")
+    blocks_total = len(replanner.analysis.blocks)
+    # the whole model as the last stage runs no separate forward: its backward call and the fixed costs
+    assert replanner._stage_work("a", 0, blocks_total, last=True) == pytest.approx(whole.backward_ms, rel=1e-9)
+    forward, backward, fixed = replanner._costs("a")
+    assert fixed == pytest.approx(sum(call))
+    assert sum(forward) == pytest.approx(whole.forward_ms - call[0], rel=1e-9)
