@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgert.admission import StageSigning
 from edgert.errors import EdgertError
 from edgert.manifest import Manifest, TrainingConfig, needed_roles
 from edgert.protocol import MIGRATE, STAGE, Peers, StageAssignment
@@ -43,6 +44,7 @@ class LinkSettings:
     replicate_every: int = 0
     central_every: int = 0
     replicas: int = 1
+    signing: StageSigning | None = None  # signs each stage with the cluster key (None: --insecure)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,10 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
         roles = needed_roles(entry, settings.memory_mode)
         files = {a.role: (plan_dir / a.path).read_bytes() for a in entry.artifacts if a.role in roles}
         try:
-            await client.request("PUT", order[k], STAGE, assignment.to_envelope(files), timeout=120.0)
+            envelope = assignment.to_envelope(files)
+            if settings.signing is not None:
+                settings.signing.apply(envelope)
+            await client.request("PUT", order[k], STAGE, envelope, timeout=120.0)
         except TransportError as error:
             raise AssignmentError(f"worker {names[k]} ({order[k]}) refused stage {k}: {error}") from None
 

@@ -96,6 +96,7 @@ class TrainConfig:
     central_every: int = 100  # steps between copies to the coordinator, kept on disk (0: off)
     replicas: int = 1  # neighbours each stage's copy goes to
     resume: bool = False  # continue the run in out_dir from its newest snapshot
+    keys: Path | None = None  # the cluster keystore (edgert keys init); None: plaintext (--insecure)
 
 
 @dataclass
@@ -131,8 +132,15 @@ class Coordinator(RecoveryMixin, ReplanMixin):
                                 f"worker(s) were given; give one --workers URL per stage")
         self.run_id = config.out_dir.name or "run"
         self.dataset = load_training_data(config.data, self.manifest, config.seed)
-        self.client = TensorClient(ClientConfig(timeout=30.0, retries=2, connect_timeout=config.connect_timeout))
-        self.server = TensorServer(config.listen)
+        self.security = None
+        if config.keys is not None:
+            from edgert.exporter.keystore import HostSecurity  # host side only
+
+            self.security = HostSecurity.open(config.keys)
+        tls = None if self.security is None else self.security.tls
+        self.client = TensorClient(ClientConfig(timeout=30.0, retries=2, connect_timeout=config.connect_timeout),
+                                   tls=tls)
+        self.server = TensorServer(config.listen, tls=tls)
         self.server.add_resource(REPORT, post=self._on_report, rt="edgert.report", kinds=("report",))
         self.server.add_resource(REPLICA, put=self._on_replica, rt="edgert.replica", kinds=("weights",))
         self.server.add_resource(JOIN, post=self._on_join, rt="edgert.join", kinds=("control",))
@@ -157,6 +165,11 @@ class Coordinator(RecoveryMixin, ReplanMixin):
 
     def _check_config(self) -> None:
         config = self.config
+        secure = config.keys is not None
+        if secure != config.listen.startswith("coaps+tcp://"):
+            raise TrainingError(f"--listen {config.listen}: " + (
+                "with a keystore the coordinator listens on coaps+tcp://" if secure
+                else "coaps+tcp needs the cluster keystore (--keys)"))
         if config.schedule not in SCHEDULES:
             raise TrainingError(f"unknown schedule {config.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         for name in ("epochs", "batch_size", "micro_batches", "lookahead", "replan_every"):
@@ -246,7 +259,7 @@ class Coordinator(RecoveryMixin, ReplanMixin):
             forward_threads=self.config.forward_threads, backward_threads=self.config.backward_threads,
             wait_timeout=self.config.step_timeout, memory_mode=self.config.memory_mode,
             replicate_every=self.config.replicate_every, central_every=self.config.central_every,
-            replicas=self.config.replicas)
+            replicas=self.config.replicas, signing=None if self.security is None else self.security.signing)
 
     async def _assign_stages(self) -> None:
         self._prepare_settings()
@@ -368,11 +381,13 @@ class Coordinator(RecoveryMixin, ReplanMixin):
     async def _replan_now(self, proposal, plan: list[Batch], in_flight: deque[int]) -> int:
         """Stop the pipeline after the latest step any stage has begun, re-partition; returns steps run.
 
-        Steps sent but not begun anywhere are dropped and sent again to the new placement.
+        Steps sent but not begun anywhere are dropped and sent again to the new placement. A stage
+        may have "begun" a step whose batch was never sent (it waits for it): that step is not kept.
         """
         replies = await asyncio.gather(*(self.client.send(url, RUN, hold_envelope(self.run_id)) for url in self.order))
-        begun = [int(reply.envelope().meta.get("begun", -1)) for reply in replies]
-        last = max([*begun, self.ledger.completed_through, plan[0].step - 1])
+        begun = max(int(reply.envelope().meta.get("begun", -1)) for reply in replies)
+        sent_through = max(in_flight, default=self.ledger.completed_through)
+        last = max(min(begun, sent_through), self.ledger.completed_through, plan[0].step - 1)
         await asyncio.gather(*(self.client.send(url, RUN, truncate_envelope(self.run_id, last)) for url in self.order))
         for step in in_flight:
             if step <= last:
@@ -479,7 +494,7 @@ def resumed_config(run_dir: Path, workers: list[str] | None = None) -> TrainConf
     saved = json.loads(path.read_text())["config"]
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in saved.items() if k in fields}
-    for name in ("plan_dir", "out_dir", "devices"):
+    for name in ("plan_dir", "out_dir", "devices", "keys"):
         if values.get(name) is not None:
             values[name] = Path(values[name])
     values["workers"] = tuple(workers) if workers else tuple(values["workers"])

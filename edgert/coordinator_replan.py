@@ -57,7 +57,8 @@ class ReplanMixin:
         """A quick profile of ``workers`` on the model's units, so the planner knows their speeds."""
         started = time.perf_counter()
         try:
-            await self.replanner.profile(self.client, workers, self.config.out_dir / "profile")
+            await self.replanner.profile(self.client, workers, self.config.out_dir / "profile",
+                                         signing=None if self.security is None else self.security.signing)
         except (TransportError, EdgertError) as error:
             raise TrainingError(f"profiling {', '.join(workers.values())} failed: {error}") from None
         save_devices(self.replanner.devices, self.config.out_dir / "devices.json")

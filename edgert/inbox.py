@@ -17,6 +17,7 @@ from typing import Any
 from edgert.errors import EdgertError
 
 DEFAULT_CAPACITY = 256
+DEFAULT_MAX_BYTES = 512 * 1024 * 1024  # tensor bytes held at once
 REMEMBERED_KEYS = 4096  # taken keys remembered to drop a retried delivery arriving late
 
 
@@ -39,8 +40,11 @@ class InboxFull(EdgertError):
 class Inbox:
     """Thread-safe mailbox keyed by ``(kind, step, microbatch)``."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, max_bytes: int = DEFAULT_MAX_BYTES):
         self._items: dict[Hashable, Any] = {}
+        self._sizes: dict[Hashable, int] = {}
+        self._bytes = 0
+        self.max_bytes = max_bytes
         self._taken: set[Hashable] = set()
         self._taken_order: deque[Hashable] = deque()
         self._condition = threading.Condition()
@@ -51,14 +55,20 @@ class Inbox:
     def put(self, key: Hashable, value: Any) -> bool:
         """Deliver ``value``; returns False for a duplicate (a retried delivery), which is dropped.
 
-        A full inbox is refused with :class:`InboxFull`.
+        A full inbox (by message count or tensor bytes) is refused with :class:`InboxFull`.
         """
+        size = _tensor_bytes(value)
         with self._condition:
             if key in self._items or key in self._taken:
                 return False
             if len(self._items) >= self.capacity:
                 raise InboxFull(f"inbox full ({self.capacity} messages held): peer is too far ahead")
+            if self._bytes + size > self.max_bytes:
+                raise InboxFull(f"inbox full ({self._bytes} tensor bytes held, {size} more would exceed "
+                                f"{self.max_bytes}): peer is too far ahead")
             self._items[key] = value
+            self._sizes[key] = size
+            self._bytes += size
             self._condition.notify_all()
             return True
 
@@ -77,6 +87,7 @@ class Inbox:
                     raise InboxTimeout(f"waited {timeout:.1f} s for {key}")
                 self._condition.wait(remaining)
             self._remember(key)
+            self._bytes -= self._sizes.pop(key, 0)
             return self._items.pop(key), time.perf_counter() - start
 
     def _remember(self, key: Hashable) -> None:
@@ -96,13 +107,15 @@ class Inbox:
         with self._condition:
             self.last_step = last_step
             for key in [k for k in self._items if k[1] > last_step]:
-                del self._items[key]
+                self._drop(key)
             self._condition.notify_all()
 
     def reset(self) -> None:
         """Forget held messages and any abort (a new run starts)."""
         with self._condition:
             self._items.clear()
+            self._sizes.clear()
+            self._bytes = 0
             self._taken.clear()
             self._taken_order.clear()
             self._aborted = None
@@ -113,9 +126,20 @@ class Inbox:
         with self._condition:
             dropped = [k for k in self._items if predicate(k)]
             for key in dropped:
-                del self._items[key]
+                self._drop(key)
             return len(dropped)
+
+    def _drop(self, key: Hashable) -> None:
+        del self._items[key]
+        self._bytes -= self._sizes.pop(key, 0)
 
     def __len__(self) -> int:
         with self._condition:
             return len(self._items)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the arrays in a message (a dict of arrays, or one array)."""
+    if isinstance(value, dict):
+        return sum(getattr(v, "nbytes", 0) for v in value.values())
+    return getattr(value, "nbytes", 0)

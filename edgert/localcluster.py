@@ -24,8 +24,11 @@ class LocalCluster:
     """``with LocalCluster(4) as cluster: cluster.urls`` -> four running workers."""
 
     def __init__(self, count: int, slowdowns: list[str] | None = None, names: list[str] | None = None,
-                 log_dir: Path | None = None, start_timeout: float = 60.0, extra_args: list[str] | None = None):
+                 log_dir: Path | None = None, start_timeout: float = 60.0, extra_args: list[str] | None = None,
+                 credentials: list[Path] | None = None):
+        """``credentials`` (one per worker) run them over coaps+tcp; without, plaintext (``--insecure``)."""
         self.count = count
+        self.credentials = credentials
         self.slowdowns = slowdowns or ["1"] * count
         self.names = names or [f"local-{k}" for k in range(count)]
         self.log_dir = log_dir
@@ -51,10 +54,12 @@ class LocalCluster:
             raise
         return self.urls
 
-    def _spawn(self, k: int, listen: str = "coap+tcp://127.0.0.1:0") -> subprocess.Popen:
+    def _spawn(self, k: int) -> subprocess.Popen:
         slowdown = self.slowdowns[k]
         option = "--slowdown-schedule" if ":" in slowdown else "--slowdown"
-        command = [sys.executable, "-m", "edgert", "worker", "--listen", listen, "--name", self.names[k],
+        security = (["--listen", "coap+tcp://127.0.0.1:0", "--insecure"] if self.credentials is None
+                    else ["--listen", "coaps+tcp://127.0.0.1:0", "--credential", str(self.credentials[k])])
+        command = [sys.executable, "-m", "edgert", "worker", *security, "--name", self.names[k],
                    option, slowdown, *self.extra_args]
         stderr = subprocess.DEVNULL
         if self.log_dir is not None:

@@ -23,11 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from edgert.admission import Admission, AdmissionRefused, vet_stage_files
 from edgert.assignment import SELF
 from edgert.errors import EdgertError
 from edgert.executor import Key, StageExecutor, StepReport, Window
 from edgert.inbox import Inbox, InboxAborted, InboxFull
 from edgert.manifest import BoundaryTensor, needed_roles, verify_file
+from edgert.onnx_scan import GraphRefused
 from edgert.protocol import (
     ACT,
     BATCH,
@@ -67,8 +69,10 @@ from edgert.transport import (
     TransportError,
     get_codec,
 )
+from edgert.transport.errors import Forbidden
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.server import parse_url
+from edgert.transport.tls import COORDINATOR_ROLE, TlsCredentials
 from edgert.weights import StageState
 from edgert.worker_measure import MeasureResources
 from edgert.worker_state import StateResources
@@ -91,6 +95,7 @@ class WorkerConfig:
     send_timeout: float = 30.0
     join: str | None = None  # a coordinator to announce this worker to (joining a running job)
     advertise: str | None = None  # the host others reach this worker at (default: the listen host)
+    tls: TlsCredentials | None = None  # this device's cluster credential (None: plaintext, --insecure)
 
 
 class Worker(StateResources, MeasureResources):
@@ -98,8 +103,11 @@ class Worker(StateResources, MeasureResources):
 
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.server = TensorServer(config.listen, limits=config.limits)
-        self.client = TensorClient(ClientConfig(timeout=config.send_timeout, retries=3), config.limits)
+        self.server = TensorServer(config.listen, limits=config.limits, tls=config.tls)
+        self.client = TensorClient(ClientConfig(timeout=config.send_timeout, retries=3), config.limits,
+                                   tls=config.tls)
+        self.admission = None if config.tls is None else Admission(config.tls.cluster_pem,
+                                                                     config.tls.revocations)
         self.inbox = Inbox()
         self.health = Health(name=config.name, state="idle", slowdown=str(config.slowdown))
         self._emulator = SlowdownEmulator(config.slowdown)  # for state copies; each stage has its own
@@ -170,18 +178,19 @@ class Worker(StateResources, MeasureResources):
 
     def _register_resources(self) -> None:
         server = self.server
+        boss = (COORDINATOR_ROLE,)  # over TLS, only the coordinator may command a worker
         server.add_observable(HEALTH, rt="edgert.health", get=self._on_health, title="worker health")
-        server.add_resource(STAGE, put=self._on_stage, rt="edgert.stage", kinds=("stage",))
-        server.add_resource(RUN, post=self._on_run, rt="edgert.run", kinds=("control",))
-        server.add_resource(BATCH, post=self._on_batch, rt="edgert.batch", kinds=("batch",))
-        server.add_resource(STOP, post=self._on_stop, rt="edgert.stop", envelope=False)
+        server.add_resource(STAGE, put=self._on_stage, rt="edgert.stage", kinds=("stage",), roles=boss)
+        server.add_resource(RUN, post=self._on_run, rt="edgert.run", kinds=("control",), roles=boss)
+        server.add_resource(BATCH, post=self._on_batch, rt="edgert.batch", kinds=("batch",), roles=boss)
+        server.add_resource(STOP, post=self._on_stop, rt="edgert.stop", envelope=False, roles=boss)
         server.add_resource(WEIGHTS, get=self._on_weights_get, put=self._on_weights_put, fetch=self._on_weights_fetch,
-                            rt="edgert.weights", kinds=("weights", "control"))
-        server.add_resource(MIGRATE, post=self._on_migrate, rt="edgert.migrate", kinds=("control",))
+                            rt="edgert.weights", kinds=("weights", "control"), roles={"GET": boss, "PUT": boss})
+        server.add_resource(MIGRATE, post=self._on_migrate, rt="edgert.migrate", kinds=("control",), roles=boss)
         server.add_resource(REPLICA, put=self._on_replica_put, get=self._on_replica_get, rt="edgert.replica",
-                            kinds=("weights",))
-        server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",))
-        server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",))
+                            kinds=("weights",), roles={"GET": boss})
+        server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",), roles=boss)
+        server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",), roles=boss)
         server.add_resource(ECHO, post=self._on_echo, rt="edgert.echo", envelope=False)
         for path, kind in DATA_KINDS.items():
             server.add_resource(path, post=self._data_handler(path), rt=f"edgert.{kind}", kinds=(kind,))
@@ -192,11 +201,26 @@ class Worker(StateResources, MeasureResources):
         self.health.activity = self._activity or (self.executor.activity if self.executor else "idle")
         return self.health.to_envelope()
 
+    def _admit(self, envelope: Envelope) -> None:
+        """With a credential, refuse (4.03) a stage the cluster did not sign."""
+        if self.admission is None:
+            return
+        try:
+            self.admission.check_assignment(envelope)
+        except AdmissionRefused as error:
+            raise Forbidden(str(error)) from None
+
     async def _on_stage(self, request: Request) -> Envelope:
+        self._admit(request.envelope)
         try:
             assignment, files = StageAssignment.from_envelope(request.envelope)
+            vet_stage_files(assignment, files)  # before the running job is touched
         except ProtocolError as error:
             raise BadRequest(str(error)) from None
+        except GraphRefused as error:
+            raise Forbidden(f"stage refused: {error}") from None
+        except EdgertError as error:
+            raise BadRequest(f"stage refused: {error}") from None
         async with self._load_lock:
             await self._stop_run("a new stage was assigned")
             await self._until_idle()
@@ -219,14 +243,11 @@ class Worker(StateResources, MeasureResources):
                         meta={"loaded": True, "load_ms": load_ms, "worker": self.config.name})
 
     def _load(self, assignment: StageAssignment, files: dict[str, bytes], folder_name: str = "") -> StageSession:
-        """Check every file against the manifest entry's sha256, write it, open the sessions."""
+        """Write the (vetted) files, check them against the manifest entry's sha256, open the sessions."""
         entry = assignment.entry
         folder = self._workdir / assignment.run_id / (folder_name or f"stage{entry.index}-{'-'.join(entry.blocks)}")
         folder.mkdir(parents=True, exist_ok=True)
         roles = needed_roles(entry, assignment.memory_mode)
-        missing = [role for role in roles if role not in files]
-        if missing:
-            raise EdgertError(f"artifact(s) {', '.join(missing)} missing from the assignment")
         for artifact in entry.artifacts:
             if artifact.role not in roles:
                 continue

@@ -11,10 +11,13 @@ import dataclasses
 import os
 from pathlib import Path
 
+from edgert.admission import vet_stage_files
 from edgert.errors import EdgertError
+from edgert.onnx_scan import GraphRefused
 from edgert.profiler import measure_stage, probe_link
 from edgert.protocol import ProtocolError, StageAssignment
 from edgert.transport import BadRequest, Envelope, Request, TransportError
+from edgert.transport.errors import Forbidden
 
 
 class MeasureResources:
@@ -22,10 +25,16 @@ class MeasureResources:
 
     async def _on_profile(self, request: Request) -> Envelope:
         """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
+        self._admit(request.envelope)
         try:
             assignment, files = StageAssignment.from_envelope(request.envelope)
+            vet_stage_files(assignment, files)
         except ProtocolError as error:
             raise BadRequest(str(error)) from None
+        except GraphRefused as error:
+            raise Forbidden(f"profiling refused: {error}") from None
+        except EdgertError as error:
+            raise BadRequest(f"profiling refused: {error}") from None
         meta = request.envelope.meta
         micro_batch, repeats = int(meta.get("micro_batch", 16)), int(meta.get("repeats", 5))
 

@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgert.admission import StageSigning
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile
 from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+from edgert.exporter.keystore import HostSecurity
 from edgert.exporter.source import load_source_model
 from edgert.manifest import Manifest, TrainingConfig, needed_roles
 from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, StageAssignment
@@ -55,25 +57,31 @@ def export_profile_plans(model_path: str | Path, out_dir: Path,
 
 
 def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = 16, repeats: int = 5,
-                    progress: Progress = lambda _: None, memory_mode: str = "recompute") -> DevicesFile:
-    """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking."""
+                    progress: Progress = lambda _: None, memory_mode: str = "recompute",
+                    security: HostSecurity | None = None) -> DevicesFile:
+    """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking.
+
+    With ``security`` (the cluster keystore) it talks coaps+tcp and signs what it sends; without, plaintext.
+    """
     if micro_batch < 1 or repeats < 1:
         raise ExportError(f"--micro-batch and --repeats must be at least 1 (got {micro_batch}, {repeats})")
     with tempfile.TemporaryDirectory(prefix="edgert-profile-") as scratch:
         plans = export_profile_plans(model_path, Path(scratch))
         progress(f"{len(plans.units.stages)} units to measure on {len(workers)} device(s)")
-        return asyncio.run(_profile(plans, workers, micro_batch, repeats, progress, memory_mode))
+        return asyncio.run(_profile(plans, workers, micro_batch, repeats, progress, memory_mode, security))
 
 
 async def _profile(plans: ProfilePlans, workers: list[str], micro_batch: int, repeats: int,
-                   progress: Progress, memory_mode: str) -> DevicesFile:
-    client = TensorClient(ClientConfig(timeout=600.0, retries=1, connect_timeout=5.0))
+                   progress: Progress, memory_mode: str, security: HostSecurity | None) -> DevicesFile:
+    client = TensorClient(ClientConfig(timeout=600.0, retries=1, connect_timeout=5.0),
+                          tls=None if security is None else security.tls)
+    signing = None if security is None else security.signing
     try:
         names = [await _name(client, url) for url in workers]
         devices = []
         for url, name in zip(workers, names):
             devices.append(await profile_device(client, plans, url, name, micro_batch, repeats, progress,
-                                                memory_mode))
+                                                memory_mode, signing))
         links = []
         for i, source in enumerate(workers):
             for j, target in enumerate(workers):
@@ -100,14 +108,15 @@ async def _name(client: TensorClient, url: str) -> str:
 
 async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, name: str, micro_batch: int,
                          repeats: int, progress: Progress = lambda _: None,
-                         memory_mode: str = "recompute") -> DeviceProfile:
-    """Measure one worker on every unit, then on the whole model as one stage."""
+                         memory_mode: str = "recompute", signing: StageSigning | None = None) -> DeviceProfile:
+    """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``)."""
     timings = []
     for entry, unit in zip(plans.units.stages, unit_names(plans.units)):
-        meta = await _measure(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats, memory_mode)
+        meta = await _measure(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats, memory_mode,
+                              signing)
         timings.append(BlockTiming(**{**meta["timing"], "block": unit}))
     meta = await _measure(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch, repeats,
-                          memory_mode)
+                          memory_mode, signing)
     whole = BlockTiming(**{**meta["timing"], "block": "+".join(unit_names(plans.units))})
     progress(f"{name}: {len(timings)} units, {whole.forward_ms + whole.backward_ms:.1f} ms per micro-batch of "
              f"{micro_batch} for the whole model")
@@ -116,7 +125,7 @@ async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, na
 
 
 async def _measure(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry, micro_batch: int,
-                   repeats: int, memory_mode: str) -> dict:
+                   repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
     """``POST /profile`` one stage of ``manifest`` to the worker at ``url``; its reply's meta."""
     assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, training=manifest.training,
                                  stages=len(manifest.stages), peers=Peers(None, None, ""), memory_mode=memory_mode)
@@ -125,4 +134,6 @@ async def _measure(client: TensorClient, url: str, plan: Path, manifest: Manifes
     envelope = assignment.to_envelope(files)
     envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, stage=envelope.stage, tensors=envelope.tensors,
                         meta={**envelope.meta, "micro_batch": micro_batch, "repeats": repeats})
+    if signing is not None:
+        signing.apply(envelope)
     return (await client.post(url, PROFILE, envelope, timeout=600.0)).envelope().meta

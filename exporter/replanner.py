@@ -238,7 +238,8 @@ class Replanner:
                                   if first <= self._units[u][0] and self._units[u][1] <= end])
         self.predictor.observe(worker, features, self.micro_batch, None if last else forward, backward)
 
-    async def profile(self, client, workers: dict[str, str], scratch: Path, repeats: int = 2) -> None:
+    async def profile(self, client, workers: dict[str, str], scratch: Path, repeats: int = 2,
+                      signing=None) -> None:
         """Measure ``workers`` (URL -> name) on the units, one after another, and use the profiles from now on.
 
         Without a ``devices.json``, FLOPs are a poor guide to a device's speed on another block
@@ -252,7 +253,8 @@ class Replanner:
             self._profile_plans = export_profile_plans(self._source_path, scratch, self.training)
         plans = self._profile_plans
         profiles = [await profile_device(client, plans, url, name, self.micro_batch, repeats,
-                                         memory_mode=self.memory_mode) for url, name in workers.items()]
+                                         memory_mode=self.memory_mode, signing=signing)
+                    for url, name in workers.items()]
         known = {d.name: d for d in (self.devices.devices if self.devices else ())}
         known.update({p.name: p for p in profiles})
         self.devices = DevicesFile(model_sha256=self.source.sha256, blocks=tuple(unit_names(plans.units)),

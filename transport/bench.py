@@ -9,7 +9,8 @@ Sections:
 
 - ``transport``: per tensor size, median round trip and throughput of (a) a raw
   asyncio TCP stream carrying the encoded envelope (length prefix, 8-byte ack),
-  (b) ``coap+tcp`` and (c) ``coap`` (UDP) POSTing the envelope to a resource that
+  (b) ``coap+tcp``, (b') ``coaps+tcp`` (mutual TLS 1.3 with cluster credentials made for
+  the run) and (c) ``coap`` (UDP) POSTing the envelope to a resource that
   decodes it; the CoAP rows include encoding on the client and decoding on the server.
   Each transport runs in blocks of at most five back-to-back requests, in rounds of
   rotating order (steady state; drift and other processes' bursts spread over all).
@@ -29,8 +30,10 @@ import json
 import logging
 import multiprocessing
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,7 @@ from edgert.transport.envelope import Envelope, decode_envelope, encode_envelope
 from edgert.transport.limits import KiB, Limits, MiB
 from edgert.transport.message import Request, Response
 from edgert.transport.server import TensorServer
+from edgert.transport.tls import TlsCredentials
 
 SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 CODECS = {
@@ -71,12 +75,16 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
     """Run the whole benchmark; returns ``{"rows": [...], "ratios": {...}}``."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=_server_main, args=(child,), name="edgert-bench-server", daemon=True)
+    keys = tempfile.TemporaryDirectory(prefix="edgert-bench-keys-")
+    server_credential, client_credential = _bench_credentials(Path(keys.name))
+    process = context.Process(target=_server_main, args=(child, server_credential), name="edgert-bench-server",
+                              daemon=True)
     process.start()
     try:
         urls = parent.recv()
-        rows = asyncio.run(_measure_transports(config, urls))
+        rows = asyncio.run(_measure_transports(config, urls, TlsCredentials.load(client_credential)))
     finally:
+        keys.cleanup()
         parent.send("stop")
         process.join(timeout=10)
         if process.is_alive():
@@ -90,11 +98,19 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
 # -- server process -------------------------------------------------------------
 
 
-def _server_main(conn) -> None:
+def _bench_credentials(folder: Path) -> tuple[Path, Path]:
+    """A throw-away cluster with two enrolled devices, for the ``coaps+tcp`` rows."""
+    from edgert.exporter.keystore import local_cluster_keys  # host side; needs only cryptography
+
+    server, client = local_cluster_keys(folder, ["bench-server", "bench-client"], cluster="bench")
+    return server, client
+
+
+def _server_main(conn, credential: Path) -> None:
     logging.basicConfig(level=logging.ERROR)
     for name in ("coap", "coap-server", "edgert.transport.server"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    asyncio.run(_serve(conn))
+    asyncio.run(_serve(conn, TlsCredentials.load(credential)))
 
 
 class _RawSink(asyncio.BufferedProtocol):
@@ -126,7 +142,7 @@ class _RawSink(asyncio.BufferedProtocol):
         self._buffer, self._filled, self._size = bytearray(8), 0, None
 
 
-async def _serve(conn) -> None:
+async def _serve(conn, tls: TlsCredentials) -> None:
     raw = await asyncio.get_running_loop().create_server(_RawSink, "127.0.0.1", 0)
     chunks: dict[str, list[Any]] = {}
 
@@ -144,7 +160,8 @@ async def _serve(conn) -> None:
         decode_envelope(entry[0], BENCH_LIMITS)
         return Response(code=Code.CHANGED, payload=b"done")
 
-    main = TensorServer("coap+tcp://127.0.0.1:0", "coap://127.0.0.1:0", limits=BENCH_LIMITS)
+    main = TensorServer("coap+tcp://127.0.0.1:0", "coap://127.0.0.1:0", "coaps+tcp://127.0.0.1:0",
+                        limits=BENCH_LIMITS, tls=tls)
     main.add_resource("sink", post=sink, rt="edgert.bench")
     main.add_resource("chunk", post=chunk, rt="edgert.bench", envelope=False)
     bert = TensorServer("coap+tcp://127.0.0.1:0",
@@ -154,7 +171,7 @@ async def _serve(conn) -> None:
     await bert.start()
     loop = asyncio.get_running_loop()
     conn.send({"raw": raw.sockets[0].getsockname()[1], "tcp": main.url("coap+tcp"), "udp": main.url("coap"),
-               "bert": bert.url("coap+tcp")})
+               "tls": main.url("coaps+tcp"), "bert": bert.url("coap+tcp")})
     await loop.run_in_executor(None, conn.recv)
     raw.close()
     await main.shutdown()
@@ -177,8 +194,9 @@ def _payload(size: int) -> tuple[Envelope, bytes]:
     return env, encode_envelope(env)
 
 
-async def _measure_transports(config: BenchConfig, urls: dict[str, Any]) -> list[dict[str, Any]]:
-    client = TensorClient(ClientConfig(timeout=600.0, retries=0), BENCH_LIMITS)
+async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
+                              tls: TlsCredentials) -> list[dict[str, Any]]:
+    client = TensorClient(ClientConfig(timeout=600.0, retries=0), BENCH_LIMITS, tls=tls)
     await client.start()
     reader, writer = await asyncio.open_connection("127.0.0.1", urls["raw"])
     transfer_ids = itertools.count()
@@ -190,6 +208,9 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any]) -> list
 
     async def coap_tcp(env: Envelope, data: bytes) -> None:
         await client.send(urls["tcp"], "sink", env)
+
+    async def coaps_tcp(env: Envelope, data: bytes) -> None:
+        await client.send(urls["tls"], "sink", env)
 
     async def coap_udp(env: Envelope, data: bytes) -> None:
         await client.send(urls["udp"], "sink", env)
@@ -212,7 +233,7 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any]) -> list
     try:
         for size in config.sizes:
             env, data = _payload(size)
-            plan = {"raw-tcp": raw, "coap+tcp": coap_tcp}
+            plan = {"raw-tcp": raw, "coap+tcp": coap_tcp, "coaps+tcp": coaps_tcp}
             if size <= config.udp_max_bytes:
                 plan["coap-udp"] = coap_udp
             reps = {name: _reps(size, config.repeat) for name in plan}
@@ -322,6 +343,9 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
         row = _row(rows, "transport", name, 4 * MiB)
         if raw4 and row:
             out[key] = raw4["rtt_ms_median"] / row["rtt_ms_median"]
+    tcp4, tls4 = _row(rows, "transport", "coap+tcp", 4 * MiB), _row(rows, "transport", "coaps+tcp", 4 * MiB)
+    if tcp4 and tls4:
+        out["coaps_tcp_vs_coap_tcp_4MiB"] = tcp4["rtt_ms_median"] / tls4["rtt_ms_median"]
     raw16, tcp16 = _row(rows, "transport", "raw-tcp", 16 * MiB), _row(rows, "transport", "coap+tcp", 16 * MiB)
     if raw16 and tcp16:
         out["coap_tcp_vs_raw_16MiB"] = raw16["rtt_ms_median"] / tcp16["rtt_ms_median"]
@@ -350,6 +374,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 TARGETS = (
     ("coap_tcp_vs_raw_4MiB", ">=", 0.5, "coap+tcp throughput / raw TCP, 4 MiB"),
+    ("coaps_tcp_vs_coap_tcp_4MiB", ">=", 0.8, "protected (TLS) coap+tcp throughput / plaintext, 4 MiB"),
     ("rtt_4KiB_ms", "<=", 1.0, "coap+tcp round trip of a 4 KiB tensor, ms (median)"),
     ("codec_ms_4MiB", "<=", 2.0, "encode + decode of a 4 MiB float32 envelope, ms"),
     ("int8_channel_ratio", ">=", 3.9, "int8 per channel on activations, size ratio"),

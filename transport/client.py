@@ -46,12 +46,14 @@ from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
 from edgert.transport import coap_tcp, linkformat
+from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, encode_envelope_parts
 from edgert.transport.errors import MalformedMessage, PeerUnreachable, RequestTimeout
 from edgert.transport.limits import DEFAULT_LIMITS, HEAD_SLACK, Limits
 from edgert.transport.message import Response
 from edgert.transport.observe import Observation
 from edgert.transport.server import parse_url
+from edgert.transport.tls import TlsCredentials
 
 Payload = Envelope | bytes | bytearray | memoryview | None
 """A request body: an envelope (encoded here) or raw bytes; tensors and memoryviews are referenced, not copied."""
@@ -101,13 +103,16 @@ _RETRY_CODES = (Code.SERVICE_UNAVAILABLE,)
 class TensorClient:
     """Async CoAP client for edgert peers; one instance per process (or per loop) is enough."""
 
-    def __init__(self, config: ClientConfig = ClientConfig(), limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, config: ClientConfig = ClientConfig(), limits: Limits = DEFAULT_LIMITS,
+                 tls: TlsCredentials | None = None) -> None:
         if not isinstance(config, ClientConfig):
             raise TypeError(f"config must be a ClientConfig, got {type(config).__name__}")
         self.config = config
         self.limits = limits
+        self.tls = tls
         self._context: aiocoap.Context | None = None
         self._tcp: coap_tcp.LargeTCPClient | None = None
+        self._tls_tcp: coap_tcp.LargeTCPClient | None = None
         self._targets: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self._udp_remotes: dict[str, Any] = {}
         self._udp_tuning = _UdpTuning(config.udp_ack_timeout, config.udp_max_retransmit)
@@ -128,6 +133,12 @@ class TensorClient:
         tcp = await coap_tcp.add_tcp_client(context, max_message_size=self.limits.tcp_max_message_size)
         tcp.csm_timeout = self.config.connect_timeout
         self._tcp = tcp
+        if self.tls is not None:
+            tls = await coap_tcp.add_tcp_client(context, max_message_size=self.limits.tcp_max_message_size,
+                                                ssl_context=self.tls.client_context)
+            tls.csm_timeout = self.config.connect_timeout
+            tls.check_peer = self.tls.check
+            self._tls_tcp = tls
         tokens = TokenManager(context)
         messages = MessageManager(tokens)
         udp = await MessageInterfaceUDP6.create_client_transport_endpoint(messages, log=context.log, loop=loop)
@@ -181,7 +192,8 @@ class TensorClient:
                     f"{method} {url}/{path.strip('/')}: no response within {timeout} s "
                     f"(attempt {attempt + 1} of {retries + 1})")
             except coap_error.NetworkError as exc:
-                failure = PeerUnreachable(f"{method} {url}/{path.strip('/')}: {exc} "
+                detail = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+                failure = PeerUnreachable(f"{method} {url}/{path.strip('/')}: {detail} "
                                           f"(attempt {attempt + 1} of {retries + 1})")
                 failure.__cause__ = exc
             else:
@@ -196,9 +208,9 @@ class TensorClient:
 
     async def _once(self, code: Code, scheme: str, hostinfo: str, uri_path: tuple[str, ...],
                     uri_query: tuple[str, ...], body: Body, content_format: int | None) -> Response:
-        if scheme == "coap+tcp":
+        if scheme in ("coap+tcp", TLS_SCHEME):
             host, port = aiocoap.util.hostportsplit(hostinfo)
-            connection = await self._tcp.connection(host, port)
+            connection = await self._pool(scheme).connection(host, port)
             if sum(map(len, body)) + HEAD_SLACK <= connection.peer_max_message_size:
                 message = self._message(code, scheme, hostinfo, uri_path, uri_query, b"", content_format)
                 message.remote = connection
@@ -213,6 +225,14 @@ class TensorClient:
         if scheme == "coap":
             self._udp_remotes[hostinfo] = response.remote
         return Response.from_message(response)
+
+    def _pool(self, scheme: str) -> coap_tcp.LargeTCPClient:
+        if scheme == TLS_SCHEME:
+            if self._tls_tcp is None:
+                raise PeerUnreachable(f"{TLS_SCHEME}:// needs TLS credentials: "
+                                      f"TensorClient(tls=TlsCredentials.load(...))")
+            return self._tls_tcp
+        return self._tcp
 
     def _message(self, code: Code, scheme: str, hostinfo: str, uri_path: tuple[str, ...],
                  uri_query: tuple[str, ...], body: coap_tcp.Buffer, content_format: int | None,

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 
 from aiocoap import Message, util
@@ -57,12 +58,19 @@ from aiocoap.transports.tcp import TCPClient, TcpConnection, TCPServer
 
 from edgert.transport.framing import Buffer, _frame_length, _options_end, serialize_head
 from edgert.transport.limits import HEAD_SLACK
+from edgert.transport.tls import PeerIdentity, peer_identity
 
 #: Payloads at or above this size are written separately from their head.
 _SPLIT_WRITE = 64 * 1024
 
+#: Large payloads go to a TLS transport in slices of this size (encryption overlaps sending).
+_TLS_SLICE = 256 * 1024
+
 #: Size of the reused buffer that frame heads (and small frames) are received into.
 _SCRATCH = 64 * 1024
+
+#: Scheme and default port of CoAP over TLS (RFC 8323).
+TLS_SCHEME, COAPS_PORT = "coaps+tcp", 5684
 
 #: Seconds a new client connection waits for the server's CSM.
 CSM_TIMEOUT = 5.0
@@ -95,6 +103,15 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self._discard = 0
         self._scratch = memoryview(bytearray(_SCRATCH))
         self.csm_received: asyncio.Future = loop.create_future()
+        self.peer: PeerIdentity | None = None  # the verified certificate's identity (TLS only)
+        self._tls = False
+
+    def connection_made(self, transport) -> None:
+        self.peer = peer_identity(transport)
+        self._tls = transport.get_extra_info("ssl_object") is not None
+        if self._local_is_server:
+            self._ctx._pool.add(self)
+        super().connection_made(transport)
 
     @property
     def peer_max_message_size(self) -> int:
@@ -154,7 +171,14 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
                 write(b"".join(small))
                 small = []
             # a memoryview keeps asyncio's partial-send path from slicing (copying) the rest
-            write(memoryview(part))
+            view = memoryview(part).cast("B")
+            if self._tls:
+                # TLS encrypts each write whole before sending it: slices let the peer decrypt
+                # one while this side encrypts the next
+                for start in range(0, len(view), _TLS_SLICE):
+                    write(view[start:start + _TLS_SLICE])
+            else:
+                write(view)
         if small:
             write(b"".join(small))
 
@@ -325,19 +349,20 @@ class LargeTCPServer(TCPServer):
 
     @classmethod
     async def create_large_server(cls, host: str, port: int, tman, log, loop, *, max_message_size: int,
-                                  fast_server: FastServer | None = None):
+                                  fast_server: FastServer | None = None, ssl_context: ssl.SSLContext | None = None):
         self = cls()
+        if ssl_context is not None:
+            self._scheme, self._default_port = TLS_SCHEME, COAPS_PORT
         self._tokenmanager = tman
         self.log = log
 
         def new_connection():
-            conn = LargeTcpConnection(self, log, loop, is_server=True, max_message_size=max_message_size,
+            # joins self._pool in connection_made: a failed TLS handshake never gets there, so never leaks
+            return LargeTcpConnection(self, log, loop, is_server=True, max_message_size=max_message_size,
                                       fast_server=fast_server)
-            self._pool.add(conn)
-            return conn
 
         try:
-            self.server = await loop.create_server(new_connection, host, port)
+            self.server = await loop.create_server(new_connection, host, port, ssl=ssl_context)
         except socket.gaierror as exc:
             raise coap_error.ResolutionError(f"no local bindable address for {host!r}") from exc
         return self
@@ -353,6 +378,9 @@ class LargeTCPClient(TCPClient):
 
     max_message_size: int = 1024 * 1024
     csm_timeout: float = CSM_TIMEOUT
+    ssl_context: ssl.SSLContext | None = None
+    check_peer: Callable[[PeerIdentity | None], str | None] | None = None
+    """TLS only: why a server's identity is not acceptable (None: it is), checked before the first request."""
 
     async def _spawn_protocol(self, message):
         if message.unresolved_remote is None:
@@ -385,11 +413,20 @@ class LargeTCPClient(TCPClient):
                 ),
                 host,
                 port,
+                ssl=self.ssl_context,
+                server_hostname="" if self.ssl_context is not None else None,
             )
         except socket.gaierror as exc:
             raise coap_error.ResolutionError(f"no address found for {host!r}") from exc
+        except ssl.SSLError as exc:
+            raise coap_error.NetworkError(f"TLS handshake with {host}:{port} failed: {exc.reason or exc}") from exc
         except OSError as exc:
             raise coap_error.NetworkError(f"connection to {host}:{port} failed: {exc}") from exc
+        if self.check_peer is not None:
+            refusal = self.check_peer(conn.peer)
+            if refusal is not None:
+                conn.abort("peer refused")
+                raise coap_error.NetworkError(f"{host}:{port} refused: {refusal}")
         try:
             await asyncio.wait_for(asyncio.shield(conn.csm_received), self.csm_timeout)
         except TimeoutError:
@@ -399,30 +436,39 @@ class LargeTCPClient(TCPClient):
         return conn
 
     @classmethod
-    async def create_large_client(cls, tman, log, loop, *, max_message_size: int):
+    async def create_large_client(cls, tman, log, loop, *, max_message_size: int,
+                                  ssl_context: ssl.SSLContext | None = None):
         self = await cls.create_client_transport(tman, log, loop)
         self.max_message_size = max_message_size
+        if ssl_context is not None:
+            self._scheme, self._default_port, self.ssl_context = TLS_SCHEME, COAPS_PORT, ssl_context
         self._connecting = {}
         return self
 
 
 async def add_tcp_server(ctx, host: str, port: int, *, max_message_size: int,
-                         fast_server: FastServer | None = None) -> LargeTCPServer:
-    """Attach a listening :class:`LargeTCPServer` to an aiocoap ``Context``; returns it."""
+                         fast_server: FastServer | None = None,
+                         ssl_context: ssl.SSLContext | None = None) -> LargeTCPServer:
+    """Attach a listening :class:`LargeTCPServer` to an aiocoap ``Context``; returns it.
+
+    With ``ssl_context`` it serves ``coaps+tcp`` (TLS) instead of ``coap+tcp``.
+    """
     tman = TokenManager(ctx)
     server = await LargeTCPServer.create_large_server(
-        host, port, tman, ctx.log, ctx.loop, max_message_size=max_message_size, fast_server=fast_server
+        host, port, tman, ctx.log, ctx.loop, max_message_size=max_message_size, fast_server=fast_server,
+        ssl_context=ssl_context,
     )
     tman.token_interface = server
     ctx.request_interfaces.append(tman)
     return server
 
 
-async def add_tcp_client(ctx, *, max_message_size: int) -> LargeTCPClient:
-    """Attach a :class:`LargeTCPClient` (outgoing ``coap+tcp://``) to an aiocoap ``Context``."""
+async def add_tcp_client(ctx, *, max_message_size: int,
+                         ssl_context: ssl.SSLContext | None = None) -> LargeTCPClient:
+    """Attach a :class:`LargeTCPClient` (outgoing ``coap+tcp://``, or ``coaps+tcp://`` with ``ssl_context``)."""
     tman = TokenManager(ctx)
     client = await LargeTCPClient.create_large_client(
-        tman, ctx.log, ctx.loop, max_message_size=max_message_size
+        tman, ctx.log, ctx.loop, max_message_size=max_message_size, ssl_context=ssl_context
     )
     tman.token_interface = client
     ctx.request_interfaces.append(tman)

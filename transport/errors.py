@@ -50,6 +50,18 @@ class MalformedMessage(BadRequest):
     """4.00: the payload is not a valid edgert message (raised by the decoders)."""
 
 
+class Unauthorized(ResponseError):
+    """4.01: the peer is not authenticated (no cluster credential, or a revoked one)."""
+
+    code = Code.UNAUTHORIZED
+
+
+class Forbidden(ResponseError):
+    """4.03: the peer is known but may not do this (wrong role, unsigned manifest, forbidden op domain)."""
+
+    code = Code.FORBIDDEN
+
+
 class NotFound(ResponseError):
     """4.04: no resource at that path."""
 
@@ -112,6 +124,8 @@ _BY_CODE: dict[Code, type[ResponseError]] = {
     cls.code: cls
     for cls in (
         BadRequest,
+        Unauthorized,
+        Forbidden,
         NotFound,
         MethodNotAllowed,
         TooLarge,

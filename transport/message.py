@@ -14,6 +14,7 @@ from edgert.transport.codec import Codec
 from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
 from edgert.transport.errors import MalformedMessage, ResponseError, error_from_response
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
+from edgert.transport.tls import PeerIdentity
 
 #: Content-Format of text/plain; charset=utf-8.
 TEXT = 0
@@ -29,6 +30,8 @@ class Request:
     content_format: int | None = None
     query: dict[str, str] = field(default_factory=dict)
     peer: str = ""
+    identity: PeerIdentity | None = None
+    """The peer's verified identity (TLS only)."""
     envelope: Envelope | None = None
 
 

@@ -12,6 +12,11 @@ request to an async handler registered per path and method::
     await server.start()
     health.notify(Envelope("health", meta={"load": 0.3}))
 
+With :class:`~edgert.transport.tls.TlsCredentials` a server also binds ``coaps+tcp://``
+(mutual TLS); a request over it from a peer without a valid, unrevoked cluster
+credential is answered 4.01 whatever it asks, and ``roles`` on a resource limits
+which roles may call it (4.03 for others).
+
 Every bad request is answered with its code and a diagnostic text and the server
 keeps serving: unknown path 4.04, wrong method 4.05, malformed CBOR or envelope
 4.00, over a size limit 4.13 (with Size1), foreign Content-Format or codec 4.15,
@@ -24,7 +29,7 @@ import asyncio
 import logging
 import socket
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import aiocoap
@@ -36,26 +41,30 @@ from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
 from edgert.transport import coap_tcp, linkformat
+from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
 from edgert.transport.errors import (
     BadRequest,
+    Forbidden,
     InternalServerError,
     MethodNotAllowed,
     NotFound,
     ResponseError,
     TooLarge,
+    Unauthorized,
     UnsupportedContentFormat,
 )
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import TEXT, Request, Response
 from edgert.transport.observe import Observable
+from edgert.transport.tls import TlsCredentials
 
 log = logging.getLogger("edgert.transport.server")
 
 HandlerResult = Response | Envelope | bytes | bytearray | str | None
 Handler = Callable[[Request], Awaitable[HandlerResult]]
 
-SCHEMES = ("coap+tcp", "coap")
+SCHEMES = ("coap+tcp", TLS_SCHEME, "coap")
 METHODS = ("GET", "POST", "PUT", "DELETE", "FETCH")
 WELL_KNOWN_CORE = ".well-known/core"
 
@@ -63,37 +72,44 @@ WELL_KNOWN_CORE = ".well-known/core"
 class TensorServer:
     """A CoAP server for edgert resources; start with :meth:`start`, stop with :meth:`shutdown`."""
 
-    def __init__(self, *binds: str, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, *binds: str, limits: Limits = DEFAULT_LIMITS, tls: TlsCredentials | None = None) -> None:
         if not binds:
             raise ValueError("TensorServer needs at least one bind URL, e.g. 'coap+tcp://127.0.0.1:0'")
         self._binds = [parse_url(url) for url in binds]
+        if tls is None and any(scheme == TLS_SCHEME for scheme, _, _ in self._binds):
+            raise ValueError(f"binding {TLS_SCHEME}:// needs TLS credentials (tls=TlsCredentials.load(...))")
         self.limits = limits
+        self.tls = tls
         self._endpoints: dict[tuple[str, ...], _Endpoint] = {}
         self._context: aiocoap.Context | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self.urls: list[str] = []
         self._add_endpoint(_Endpoint(self, WELL_KNOWN_CORE, {"GET": self._well_known_core}, rt=None,
-                                     envelope=False, kinds=None, title=None))
+                                     envelope=False, kinds=None, title=None, roles=None))
 
     # -- resources ------------------------------------------------------------
 
     def add_resource(self, path: str, *, get: Handler | None = None, post: Handler | None = None,
                      put: Handler | None = None, delete: Handler | None = None,
                      fetch: Handler | None = None, rt: str, envelope: bool = True,
-                     kinds: Iterable[str] | None = None, title: str | None = None) -> None:
+                     kinds: Iterable[str] | None = None, title: str | None = None,
+                     roles: Iterable[str] | Mapping[str, Iterable[str]] | None = None) -> None:
         """Serve ``path`` with one handler per method; other methods get 4.05.
 
         With ``envelope=True`` a request payload must be an envelope (Content-Format
         60 or none) and arrives decoded as ``request.envelope``; ``kinds`` restricts
         the envelope kinds accepted. ``rt`` is the resource type in link format.
+        ``roles`` restricts which peer roles may call it over TLS, for every method or per
+        method (``{"PUT": ("coordinator",)}``); others get 4.03.
         """
         handlers = {m: h for m, h in (("GET", get), ("POST", post), ("PUT", put), ("DELETE", delete),
                                       ("FETCH", fetch)) if h is not None}
         if not handlers:
             raise ValueError(f"resource {path!r} needs at least one handler (get/post/put/delete/fetch)")
         self._add_endpoint(_Endpoint(self, path, handlers, rt=rt, envelope=envelope,
-                                     kinds=None if kinds is None else tuple(kinds), title=title))
+                                     kinds=None if kinds is None else tuple(kinds), title=title,
+                                     roles=_roles_by_method(roles, handlers)))
 
     def add_observable(self, path: str, *, rt: str, get: Handler | None = None,
                        initial: HandlerResult = None, title: str | None = None) -> Observable:
@@ -102,7 +118,7 @@ class TensorServer:
         Without ``get`` the resource serves the latest value given to
         :meth:`Observable.notify` (``initial`` until then).
         """
-        endpoint = _ObservableEndpoint(self, path, {}, rt=rt, envelope=False, kinds=None, title=title)
+        endpoint = _ObservableEndpoint(self, path, {}, rt=rt, envelope=False, kinds=None, title=title, roles=None)
         observable = Observable(endpoint, initial)
         endpoint.handlers["GET"] = get or observable._latest_value
         self._add_endpoint(endpoint)
@@ -143,10 +159,11 @@ class TensorServer:
         self._context = context
         try:
             for scheme, host, port in self._binds:
-                if scheme == "coap+tcp":
+                if scheme in ("coap+tcp", TLS_SCHEME):
                     server = await coap_tcp.add_tcp_server(
                         context, host, port, max_message_size=self.limits.tcp_max_message_size,
-                        fast_server=self._fast_dispatch)
+                        fast_server=self._fast_dispatch,
+                        ssl_context=self.tls.server_context if scheme == TLS_SCHEME else None)
                     bound = server.port
                 else:
                     bound = await _add_udp_server(context, host, port)
@@ -157,8 +174,10 @@ class TensorServer:
         log.info("serving %s", ", ".join(self.urls))
         return self
 
-    def url(self, scheme: str = "coap+tcp") -> str:
-        """The first bound URL of ``scheme``."""
+    def url(self, scheme: str | None = None) -> str:
+        """The first bound URL of ``scheme`` (default: coaps+tcp with credentials, else coap+tcp)."""
+        if scheme is None:
+            scheme = TLS_SCHEME if self.tls is not None else "coap+tcp"
         for url in self.urls:
             if url.startswith(scheme + "://"):
                 return url
@@ -172,6 +191,15 @@ class TensorServer:
             task.cancel()
         if context is not None:
             await context.shutdown()
+
+    def refusal(self, message: Message) -> Unauthorized | None:
+        """4.01 for a request over TLS from a peer without a valid, unrevoked cluster credential."""
+        connection = message.remote
+        if self.tls is None or not isinstance(connection, coap_tcp.LargeTcpConnection) \
+                or connection.scheme != TLS_SCHEME:
+            return None
+        reason = self.tls.check(connection.peer)
+        return None if reason is None else Unauthorized(reason)
 
     # -- TCP fast path ----------------------------------------------------------
 
@@ -190,7 +218,11 @@ class TensorServer:
 
     async def _serve_fast(self, connection: coap_tcp.LargeTcpConnection, message: Message,
                           endpoint: _Endpoint | None) -> None:
-        if endpoint is None:
+        refusal = self.refusal(message)
+        if refusal is not None:
+            log.info("refused %s from %s: %s", "/".join(message.opt.uri_path), _peer(message), refusal)
+            response = refusal.to_message()
+        elif endpoint is None:
             response = _not_found(message.opt.uri_path).to_message()
         else:
             response = await endpoint.render(message)
@@ -240,7 +272,8 @@ class _Endpoint(resource.Resource):
     """One path: checks method, size, Content-Format and envelope, then calls the handler."""
 
     def __init__(self, server: TensorServer, path: str, handlers: dict[str, Handler], *, rt: str | None,
-                 envelope: bool, kinds: tuple[str, ...] | None, title: str | None) -> None:
+                 envelope: bool, kinds: tuple[str, ...] | None, title: str | None,
+                 roles: dict[str, tuple[str, ...]] | None) -> None:
         super().__init__()
         self.server = server
         self.path = path.strip("/")
@@ -249,6 +282,7 @@ class _Endpoint(resource.Resource):
         self.envelope = envelope
         self.kinds = kinds
         self.title = title
+        self.roles = roles
         self._block1 = _CappedBlock1Spool(server.limits.max_payload_bytes)
 
     def link(self) -> linkformat.Link:
@@ -283,6 +317,10 @@ class _Endpoint(resource.Resource):
             allowed = ", ".join(sorted(self.handlers))
             raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
                                    f"/{self.path} (allowed: {allowed})")
+        peer = message.remote.peer if isinstance(message.remote, coap_tcp.LargeTcpConnection) else None
+        allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
+        if allowed is not None and peer.role not in allowed:
+            raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
         limits = self.server.limits
         payload = message.payload
         if len(payload) > limits.max_payload_bytes:
@@ -291,7 +329,7 @@ class _Endpoint(resource.Resource):
         content_format = message.opt.content_format
         request = Request(method=method.name, path=self.path, payload=payload,
                           content_format=None if content_format is None else int(content_format),
-                          query=_query(message), peer=_peer(message))
+                          query=_query(message), peer=_peer(message), identity=peer)
         if self.envelope:
             if request.content_format not in (None, CONTENT_FORMAT):
                 raise UnsupportedContentFormat(
@@ -302,7 +340,7 @@ class _Endpoint(resource.Resource):
                 if self.kinds is not None and request.envelope.kind not in self.kinds:
                     raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
                                      f"got {request.envelope.kind!r}")
-            elif method.name in ("POST", "PUT"):
+            elif method.name in ("POST", "PUT", "FETCH"):
                 raise BadRequest(f"{method.name} /{self.path} needs an envelope payload")
         return request
 
@@ -344,6 +382,10 @@ class _Root(interfaces.Resource):
         raise NotImplementedError("requests are dispatched by render_to_pipe")
 
     async def render_to_pipe(self, pipe) -> None:
+        refusal = self._server.refusal(pipe.request)
+        if refusal is not None:
+            pipe.add_response(refusal.to_message(), is_last=True)
+            return
         path = tuple(pipe.request.opt.uri_path)
         endpoint = self._server._endpoints.get(path)
         if endpoint is None:
@@ -356,7 +398,7 @@ class _Root(interfaces.Resource):
 
 
 def parse_url(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of ``coap+tcp://host:port`` or ``coap://host:port``; raises ValueError."""
+    """(scheme, host, port) of ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port``; raises ValueError."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"URL {url!r}: scheme must be one of {', '.join(SCHEMES)}")
@@ -366,7 +408,8 @@ def parse_url(url: str) -> tuple[str, str, int]:
         port = parts.port
     except ValueError:
         raise ValueError(f"URL {url!r} has an invalid port") from None
-    return parts.scheme, parts.hostname, 5683 if port is None else port
+    default = coap_tcp.COAPS_PORT if parts.scheme == TLS_SCHEME else 5683
+    return parts.scheme, parts.hostname, default if port is None else port
 
 
 def format_url(scheme: str, host: str, port: int) -> str:
@@ -395,6 +438,19 @@ async def _add_udp_server(context: aiocoap.Context, host: str, port: int) -> int
     tokens.token_interface = messages
     context.request_interfaces.append(tokens)
     return sock.getsockname()[1]
+
+
+def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
+                     handlers: dict[str, Handler]) -> dict[str, tuple[str, ...]] | None:
+    if roles is None:
+        return None
+    if isinstance(roles, Mapping):
+        unknown = set(roles) - set(handlers)
+        if unknown:
+            raise ValueError(f"roles given for methods without a handler: {', '.join(sorted(unknown))}")
+        return {method: tuple(names) for method, names in roles.items()}
+    names = tuple(roles)
+    return {method: names for method in handlers}
 
 
 def _not_found(path: Iterable[str]) -> NotFound:

@@ -7,6 +7,7 @@ Each module here registers one family of commands on :data:`main`:
 - ``bench.py``     ``edgert bench ...``               (host)
 - ``runtime.py``   ``edgert worker``, ``edgert train`` (the runtime; no host extra needed for worker)
 - ``demo.py``      ``edgert demo``                    (host)
+- ``keys.py``      ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); security options
 
 Host commands import ``edgert.exporter`` / ``edgert.models`` inside the command body, so a
 board without the ``host`` extra can still run the runtime commands.
@@ -39,7 +40,7 @@ def main() -> None:
 
 
 def _register_commands() -> None:
-    from edgert.cli import bench, demo, export, runtime, zoo  # noqa: F401  (each registers itself on main)
+    from edgert.cli import bench, demo, export, keys, runtime, zoo  # noqa: F401  (each registers itself on main)
 
 
 _register_commands()

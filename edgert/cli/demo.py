@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import click
@@ -33,6 +34,7 @@ def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_ba
     from edgert.cli.runtime import print_summary
     from edgert.coordinator import TrainConfig, train
     from edgert.exporter.export import ExportOptions, export_plan
+    from edgert.exporter.keystore import local_cluster_keys
     from edgert.localcluster import LocalCluster
     from edgert.manifest import TrainingConfig
     from edgert.models import build_model, get_model_spec, save_model
@@ -49,12 +51,17 @@ def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_ba
     speeds = [s.strip() for s in slowdowns.split(",")] if slowdowns else None
     if speeds is not None and len(speeds) != stages:
         raise click.UsageError(f"--slowdowns gives {len(speeds)} values for {stages} stages")
-    with LocalCluster(stages, slowdowns=speeds, log_dir=out_dir / "worker-logs") as cluster:
-        _say(f"[3/3] training on {stages} local workers: {', '.join(cluster.urls)}")
-        config = TrainConfig(plan_dir=plan, workers=tuple(cluster.urls), out_dir=out_dir, data=spec.dataset,
-                             epochs=epochs, batch_size=batch_size, micro_batches=micro_batches, schedule=schedule,
-                             listen="coap+tcp://127.0.0.1:0")
-        summary = train(config)
+    names = [f"local-{k}" for k in range(stages)]
+    with tempfile.TemporaryDirectory(prefix="edgert-demo-keys-") as keys:
+        credentials = local_cluster_keys(Path(keys), names, cluster="demo")
+        with LocalCluster(stages, slowdowns=speeds, names=names, log_dir=out_dir / "worker-logs",
+                          credentials=credentials) as cluster:
+            _say(f"[3/3] training on {stages} local workers (mutual TLS, a throw-away cluster identity): "
+                 f"{', '.join(cluster.urls)}")
+            config = TrainConfig(plan_dir=plan, workers=tuple(cluster.urls), out_dir=out_dir, data=spec.dataset,
+                                 epochs=epochs, batch_size=batch_size, micro_batches=micro_batches,
+                                 schedule=schedule, listen="coaps+tcp://127.0.0.1:0", keys=Path(keys) / "cluster")
+            summary = train(config)
     print_summary(summary, as_json)
     if not as_json:
         click.echo(f"metrics: {out_dir / 'metrics.jsonl'}  trace (Perfetto): {out_dir / 'trace.json'}  "

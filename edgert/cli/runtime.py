@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from edgert.cli import main
+from edgert.cli.keys import INSECURE_WARNING, default_listen, host_keys, worker_credentials
 
 
 def _logging(level: str) -> None:
@@ -21,8 +22,12 @@ def _logging(level: str) -> None:
 
 
 @main.command("worker")
-@click.option("--listen", default="coap+tcp://0.0.0.0:5701", show_default=True,
-              help="URL to serve on (port 0 picks a free port).")
+@click.option("--listen", default=None,
+              help="URL to serve on (default coaps+tcp://0.0.0.0:5701, or coap+tcp://... with --insecure; "
+                   "port 0 picks a free port).")
+@click.option("--credential", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              envvar="EDGERT_CREDENTIAL", help="This device's credential file (edgert keys enroll NAME).")
+@click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
 @click.option("--name", default=socket.gethostname(), show_default=True, help="Name shown in metrics and traces.")
 @click.option("--slowdown", default=None, help="Emulate a device F times slower (sleeps (F-1)x each compute).")
 @click.option("--slowdown-schedule", default=None, help='Slowdown by step, e.g. "0:1,30:8".')
@@ -31,8 +36,9 @@ def _logging(level: str) -> None:
 @click.option("--join", default=None, help="URL of a running coordinator to join (its --listen address).")
 @click.option("--advertise", default=None, help="Host the coordinator and peers reach this worker at.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
-def worker_command(listen: str, name: str, slowdown: str | None, slowdown_schedule: str | None,
-                   workdir: Path | None, join: str | None, advertise: str | None, log_level: str) -> None:
+def worker_command(listen: str | None, credential: Path | None, insecure: bool, name: str, slowdown: str | None,
+                   slowdown_schedule: str | None, workdir: Path | None, join: str | None, advertise: str | None,
+                   log_level: str) -> None:
     """Run the on-device runtime: serve CoAP, train whatever stage the coordinator assigns."""
     from edgert.slowdown import SlowdownSchedule
     from edgert.worker import Worker, WorkerConfig
@@ -40,10 +46,23 @@ def worker_command(listen: str, name: str, slowdown: str | None, slowdown_schedu
     _logging(log_level)
     if slowdown and slowdown_schedule:
         raise click.UsageError("give --slowdown or --slowdown-schedule, not both")
+    tls = worker_credentials(credential, insecure)
+    _check_listen(listen, tls is not None)
     schedule = SlowdownSchedule.parse(slowdown_schedule or slowdown or "1")
-    config = WorkerConfig(listen=listen, name=name, slowdown=schedule, workdir=workdir, join=join,
-                          advertise=advertise)
+    config = WorkerConfig(listen=listen or default_listen(tls is not None, 5701), name=name, slowdown=schedule,
+                          workdir=workdir, join=join, advertise=advertise, tls=tls)
     asyncio.run(_serve(Worker(config)))
+
+
+def _check_listen(listen: str | None, secure: bool) -> None:
+    if listen is None:
+        return
+    scheme = listen.partition("://")[0]
+    if secure and scheme != "coaps+tcp":
+        raise click.UsageError(f"--listen {listen}: with credentials, listen on coaps+tcp:// "
+                               f"(plaintext needs --insecure)")
+    if not secure and scheme == "coaps+tcp":
+        raise click.UsageError(f"--listen {listen}: coaps+tcp needs credentials (--credential / --keys)")
 
 
 async def _serve(worker) -> None:
@@ -80,7 +99,11 @@ async def _serve(worker) -> None:
                    "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/run"),
               show_default=True, help="Run folder (metrics.jsonl, trace.json, checkpoints).")
-@click.option("--listen", default="coap+tcp://0.0.0.0:0", show_default=True, help="Where workers report to.")
+@click.option("--listen", default=None,
+              help="Where workers report to (default coaps+tcp://0.0.0.0:0, coap+tcp://... with --insecure).")
+@click.option("--keys", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Cluster keystore (default $EDGERT_KEYS or ~/.edgert/cluster; edgert keys init).")
+@click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
 @click.option("--advertise", default=None, help="Host workers reach this coordinator at (default: auto).")
 @click.option("--step-timeout", type=float, default=120.0, show_default=True)
 @click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
@@ -103,7 +126,8 @@ async def _serve(worker) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int | None, batch_size: int,
                   micro_batches: int, schedule: str, learning_rate: float | None, seed: int, codec: str,
-                  grad_codec: str, threads: int, memory_mode: str, out_dir: Path, listen: str, advertise: str | None,
+                  grad_codec: str, threads: int, memory_mode: str, out_dir: Path, listen: str | None, keys: Path | None,
+                  insecure: bool, advertise: str | None,
                   step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
                   replan_at: tuple[str, ...], devices: Path | None, replicate_every: int, central_every: int,
                   replicas: int, resume_run: Path | None, as_json: bool, log_level: str) -> None:
@@ -113,15 +137,20 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
     _logging(log_level)
     if resume_run is not None:
         config = resumed_config(resume_run, workers.split(",") if workers else None)
+        if config.keys is None:
+            click.echo(INSECURE_WARNING.format(what="the coordinator or a worker"), err=True)
         print_summary(train(config), as_json)
         return
     if plan is None or not workers:
         raise click.UsageError("give PLAN and --workers (or --resume RUN_DIR)")
+    keys = host_keys(keys, insecure)
+    _check_listen(listen, keys is not None)
     config = TrainConfig(
         plan_dir=plan, workers=tuple(w.strip() for w in workers.split(",") if w.strip()), out_dir=out_dir,
         data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
         schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
-        forward_threads=threads, backward_threads=threads, listen=listen, advertise=advertise,
+        forward_threads=threads, backward_threads=threads, listen=listen or default_listen(keys is not None, 0),
+        keys=keys, advertise=advertise,
         step_timeout=step_timeout, replan=replan, replan_every=replan_every, replan_threshold=replan_threshold,
         replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices, memory_mode=memory_mode,
         replicate_every=replicate_every, central_every=central_every, replicas=replicas)
@@ -159,18 +188,23 @@ def print_summary(summary, as_json: bool) -> None:
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True,
               help="Measure the backward as training will run it (edgert train --memory-mode).")
+@click.option("--keys", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Cluster keystore (default $EDGERT_KEYS or ~/.edgert/cluster).")
+@click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
 def profile_command(model: Path, workers: str, out_path: Path, micro_batch: int, repeats: int,
-                    memory_mode: str) -> None:
+                    memory_mode: str, keys: Path | None, insecure: bool) -> None:
     """Measure each worker on MODEL's units (forward, backward, memory) and every link between workers."""
     from edgert.cli.host import require_host_extra
 
     require_host_extra("profile")
     from edgert.devices import save_devices
+    from edgert.exporter.keystore import HostSecurity
     from edgert.exporter.profiling import profile_devices
 
+    folder = host_keys(keys, insecure)
     urls = [w.strip() for w in workers.split(",") if w.strip()]
     devices = profile_devices(model, urls, micro_batch, repeats, progress=lambda m: click.echo(m, err=True),
-                              memory_mode=memory_mode)
+                              memory_mode=memory_mode, security=None if folder is None else HostSecurity.open(folder))
     save_devices(devices, out_path)
     for device in devices.devices:
         whole = device.whole

@@ -157,7 +157,7 @@ def test_unreachable_worker_is_a_clear_error_not_a_hang(plans, tmp_path):
 
 def test_worker_shuts_down_cleanly_on_sigterm():
     process = subprocess.Popen([sys.executable, "-m", "edgert", "worker", "--listen", "coap+tcp://127.0.0.1:0",
-                                "--name", "short-lived"], stdout=subprocess.PIPE, text=True)
+                                "--insecure", "--name", "short-lived"], stdout=subprocess.PIPE, text=True)
     try:
         assert "listening on coap+tcp://127.0.0.1:" in process.stdout.readline()
         process.send_signal(signal.SIGTERM)

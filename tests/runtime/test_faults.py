@@ -160,7 +160,7 @@ def test_a_worker_joins_a_running_job(plan4, tmp_path):
         while not [m for m in _metrics(out) if m["type"] == "step"]:
             time.sleep(0.1)
         joiner = subprocess.Popen([sys.executable, "-m", "edgert", "worker", "--listen", "coap+tcp://127.0.0.1:0",
-                                   "--name", "fast", "--join", f"coap+tcp://127.0.0.1:{coordinator_port}"],
+                                   "--insecure", "--name", "fast", "--join", f"coap+tcp://127.0.0.1:{coordinator_port}"],
                                   stdout=subprocess.PIPE, text=True)
         try:
             thread.join(300)
@@ -191,7 +191,7 @@ def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
     with LocalCluster(4) as cluster:
         command = [sys.executable, "-m", "edgert", "train", str(plan4), "--workers", ",".join(cluster.urls),
                    "--out", str(out), "--steps", str(STEPS), "--epochs", "10", "--replicate-every", "5",
-                   "--central-every", "5", "--listen", "coap+tcp://127.0.0.1:0"]
+                   "--central-every", "5", "--listen", "coap+tcp://127.0.0.1:0", "--insecure"]
         coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             while not [m for m in _metrics(out) if m["type"] == "step" and m["step"] >= 17]:

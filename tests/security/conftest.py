@@ -1,0 +1,39 @@
+"""A throw-away cluster identity per test session: the keystore, worker credentials, a stranger's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from edgert.exporter.keystore import Keystore, local_cluster_keys
+from edgert.transport.tls import TlsCredentials
+
+
+@dataclass
+class Cluster:
+    keys: Path  # the keystore folder
+    store: Keystore
+    workers: list[Path]  # credential files of w0..w3
+    revoked: Path  # credential of a device that was enrolled and then revoked
+    stranger: Path  # credential of another cluster's device
+
+    def tls(self, path: Path) -> TlsCredentials:
+        """Fresh credentials (each with its own revocation set) from a file."""
+        return TlsCredentials.load(path)
+
+    @property
+    def coordinator(self) -> TlsCredentials:
+        return TlsCredentials.load(self.store.coordinator_credential)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> Cluster:
+    folder = tmp_path_factory.mktemp("cluster")
+    workers = local_cluster_keys(folder, ["w0", "w1", "w2", "w3", "gone"], cluster="test")
+    store = Keystore.open(folder / "cluster")
+    store.revoke("gone")
+    (stranger,) = local_cluster_keys(folder / "other", ["stranger"], cluster="other")
+    return Cluster(keys=folder / "cluster", store=store, workers=workers[:4], revoked=workers[4],
+                   stranger=stranger)
