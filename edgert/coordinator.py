@@ -151,6 +151,7 @@ class Coordinator(RecoveryMixin, ReplanMixin):
         self._noticed = 0.0
         self._recoveries = 0
         self._membership_changed = False
+        self._recheck_after_replan = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later
         self.order: list[str] = list(config.workers)  # worker URL of each stage
         self.names: list[str] = []
         self.known: dict[str, str] = {}  # worker URL -> name
@@ -354,11 +355,14 @@ class Coordinator(RecoveryMixin, ReplanMixin):
             nonlocal since_check
             await self._wait_step(step)
             since_check += 1
-            shifted = config.replan == "auto" and self.ledger.speed_changed()
-            if (config.replan == "auto" and since_check >= config.replan_every) or shifted \
-                    or self._membership_changed:
-                since_check, self._membership_changed = 0, False
-                return await self._check_placement(window=SHIFT_WINDOW if shifted else config.replan_every)
+            auto = config.replan == "auto"
+            shifted = auto and self.ledger.speed_changed()
+            # right after a re-plan, the new placement's own times (not the old ones) are checked soon
+            recheck = auto and self._recheck_after_replan and since_check > SHIFT_WINDOW
+            if (auto and since_check >= config.replan_every) or shifted or recheck or self._membership_changed:
+                since_check, self._membership_changed, self._recheck_after_replan = 0, False, False
+                quick = shifted or recheck
+                return await self._check_placement(window=SHIFT_WINDOW if quick else config.replan_every)
             return None
 
         for batch in plan:

@@ -105,6 +105,7 @@ class ReplanMixin:
         self.ledger.configure(self.names)
         pause = time.perf_counter() - started
         self.replanner.record_pause(pause)
+        self._recheck_after_replan = proposal.reason != "forced"
         self.log.event("replan", before_step=next_step, reason=proposal.reason, old_cuts=old_cuts,
                        new_cuts=list(manifest.cuts), workers=self.names, predicted_gain=round(proposal.gain, 3),
                        pause_s=round(pause, 3), bytes_moved=moved.bytes, migrate_s=round(moved.seconds, 3))
