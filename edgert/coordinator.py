@@ -383,15 +383,15 @@ class Coordinator(RecoveryMixin, ReplanMixin):
         return len(plan)
 
     async def _replan_now(self, proposal, plan: list[Batch], in_flight: deque[int]) -> int:
-        """Stop the pipeline after the latest step any stage has begun, re-partition; returns steps run.
+        """Stop the pipeline after the latest step any stage has committed (run a backward or an
+        optimizer step for), re-partition; returns steps run.
 
-        Steps sent but not begun anywhere are dropped and sent again to the new placement. A stage
-        may have "begun" a step whose batch was never sent (it waits for it): that step is not kept.
+        Later steps, even those a fast stage has run forwards for, are dropped and sent again to the
+        new placement (docs/RUNTIME.md, "Hold and truncate").
         """
         replies = await asyncio.gather(*(self.client.send(url, RUN, hold_envelope(self.run_id)) for url in self.order))
-        begun = max(int(reply.envelope().meta.get("begun", -1)) for reply in replies)
-        sent_through = max(in_flight, default=self.ledger.completed_through)
-        last = max(min(begun, sent_through), self.ledger.completed_through, plan[0].step - 1)
+        committed = max(int(reply.envelope().meta.get("committed", -1)) for reply in replies)
+        last = max(committed, self.ledger.completed_through, plan[0].step - 1)
         await asyncio.gather(*(self.client.send(url, RUN, truncate_envelope(self.run_id, last)) for url in self.order))
         for step in in_flight:
             if step <= last:

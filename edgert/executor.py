@@ -134,7 +134,7 @@ class StageExecutor:
                 step = last_backward.step if window.schedule == "async" and last_backward else window.steps[-1]
             else:
                 step = batches[action.microbatch].step
-            self.gate.enter(step)
+            self.gate.enter(step, commits=action.kind != "F")
             if self._truncated(step):
                 continue  # the segment was cut short before this step
             self.activity = f"{ACTIVITY[action.kind]} {step}"

@@ -164,8 +164,9 @@ class Segment:
 
 
 def hold_envelope(run_id: str) -> Envelope:
-    """``POST /run`` with ``meta.command = "hold"``: begin no new step; the reply's ``meta.begun``
-    is the latest step this stage has begun (-1: none). A truncation releases the hold."""
+    """``POST /run`` with ``meta.command = "hold"``: begin no new step and commit (backward, optimizer
+    step) no later step; the reply's ``meta.begun`` and ``meta.committed`` are the latest step this
+    stage has begun and committed (-1: none). A truncation releases the hold."""
     return Envelope(kind="control", run_id=run_id, meta={"command": "hold"})
 
 

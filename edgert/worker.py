@@ -284,9 +284,10 @@ class Worker(StateResources, MeasureResources):
         self._check_run(request.envelope)
         command = request.envelope.meta.get("command")
         if command == "hold":
-            begun = self.executor.gate.hold()
+            begun, committed = self.executor.gate.hold()
             return Envelope(kind="control", run_id=self.assignment.run_id, step=max(begun, 0),
-                            meta={"command": "hold", "begun": begun, "worker": self.config.name})
+                            meta={"command": "hold", "begun": begun, "committed": committed,
+                                  "worker": self.config.name})
         if command == "truncate":
             self._truncate(request.envelope.meta.get("last_step"))
             return None
