@@ -4,12 +4,14 @@
 
     cluster.key      the cluster's private key (EC P-256, mode 600): signs certificates, CRLs, stages
     cluster.pem      the cluster certificate (a CA): the only trust anchor a device needs
-    coordinator.pem  the coordinator's own credential (role coordinator)
+    coordinator.pem  the coordinator's own credential (role coordinator), with the OSCORE root secret
     devices.json     every enrolled certificate: name, role, serial, dates, revoked or not
     crl.pem          the signed revocation list, renumbered on every revoke
 
 Devices get credentials from :meth:`Keystore.enroll` (see :mod:`edgert.transport.tls` for the
-format); the coordinator signs every stage it hands out with :meth:`Keystore.sign`.
+format), including their OSCORE context with the coordinator, derived from the root secret
+(:func:`edgert.transport.oscore.device_context`); the coordinator signs every stage it hands
+out with :meth:`Keystore.sign`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import datetime
 import json
 import os
 import re
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +31,8 @@ from cryptography.x509.oid import NameOID
 
 from edgert.admission import Admission, StageSigning
 from edgert.errors import EdgertError
-from edgert.transport.tls import ROLES, TlsCredentials
+from edgert.transport.oscore import device_context
+from edgert.transport.tls import COORDINATOR_ROLE, ROLES, OscoreRoot, PeerIdentity, TlsCredentials, read_oscore
 
 DEFAULT_DIR = Path(os.environ.get("EDGERT_KEYS", Path.home() / ".edgert" / "cluster"))
 CREDENTIAL_DAYS = 365
@@ -79,6 +83,7 @@ class Keystore:
         self.certificate = certificate
         self.enrolments = enrolments
         self.crl_number = crl_number
+        self._oscore_root: bytes | None = None
 
     # -- creating and opening ----------------------------------------------------------
 
@@ -109,6 +114,7 @@ class Keystore:
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         (folder / "cluster.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
         store = cls(folder, key, certificate, [], 0)
+        store._oscore_root = secrets.token_bytes(32)
         _write_private(folder / "coordinator.pem", store.enroll("coordinator", role="coordinator"))
         store._write_crl()
         return store
@@ -160,6 +166,14 @@ class Keystore:
                                                   x509.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(self._key, hashes.SHA256())
         )
+        root = self._root()
+        if role == COORDINATOR_ROLE:
+            # Only the keystore's own coordinator holds the root: two holders would derive the same device
+            # keys with separate sequence numbers (nonce reuse). Other coordinator credentials use coaps+tcp.
+            oscore = OscoreRoot(root).to_pem() if name == "coordinator" else b""
+        else:
+            device = PeerIdentity(name=name, role=role, serial=certificate.serial_number)
+            oscore = device_context(root, device, self._coordinator_identity()).to_pem()
         self.enrolments.append(Enrolment(name=name, role=role, serial=certificate.serial_number,
                                          enrolled=now.isoformat(timespec="seconds"),
                                          expires=certificate.not_valid_after_utc.isoformat(timespec="seconds")))
@@ -168,7 +182,28 @@ class Keystore:
                 + key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())
                 + certificate.public_bytes(serialization.Encoding.PEM)
-                + self.certificate.public_bytes(serialization.Encoding.PEM))
+                + self.certificate.public_bytes(serialization.Encoding.PEM)
+                + oscore)
+
+    def _root(self) -> bytes:
+        """The OSCORE root secret (kept in coordinator.pem; added to a keystore made before OSCORE)."""
+        if self._oscore_root is None:
+            path = self.coordinator_credential
+            data = path.read_bytes()
+            block = read_oscore(data, path)
+            if isinstance(block, OscoreRoot):
+                self._oscore_root = block.root
+            else:
+                self._oscore_root = secrets.token_bytes(32)
+                _write_private(path, data + OscoreRoot(self._oscore_root).to_pem())
+        return self._oscore_root
+
+    def _coordinator_identity(self) -> PeerIdentity:
+        """Who a device's OSCORE peer is: the live credential named 'coordinator'."""
+        for enrolment in reversed(self.enrolments):
+            if enrolment.name == "coordinator" and enrolment.role == COORDINATOR_ROLE and enrolment.revoked is None:
+                return PeerIdentity(name=enrolment.name, role=enrolment.role, serial=enrolment.serial)
+        raise KeystoreError(f"{self.folder} has no live coordinator credential")
 
     def revoke(self, name: str) -> list[int]:
         """Revoke every live certificate of ``name``; returns their serials and re-signs the CRL."""

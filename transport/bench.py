@@ -84,12 +84,12 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         urls = parent.recv()
         rows = asyncio.run(_measure_transports(config, urls, TlsCredentials.load(client_credential)))
     finally:
-        keys.cleanup()
         parent.send("stop")
         process.join(timeout=10)
         if process.is_alive():
             process.terminate()
             process.join()
+        keys.cleanup()  # after the server saved its OSCORE state there
     if config.codecs:
         rows += measure_codecs()
     return {"rows": rows, "ratios": ratios(rows)}
@@ -99,16 +99,17 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
 
 
 def _bench_credentials(folder: Path) -> tuple[Path, Path]:
-    """A throw-away cluster with two enrolled devices, for the ``coaps+tcp`` rows."""
+    """A throw-away cluster: an enrolled device (the server) and the coordinator (the client), for the
+    ``coaps+tcp`` and ``coap-udp+oscore`` rows."""
     from edgert.exporter.keystore import local_cluster_keys  # host side; needs only cryptography
 
-    server, client = local_cluster_keys(folder, ["bench-server", "bench-client"], cluster="bench")
-    return server, client
+    (server,) = local_cluster_keys(folder, ["bench-server"], cluster="bench")
+    return server, folder / "cluster" / "coordinator.pem"
 
 
 def _server_main(conn, credential: Path) -> None:
     logging.basicConfig(level=logging.ERROR)
-    for name in ("coap", "coap-server", "edgert.transport.server"):
+    for name in ("coap", "coap-server", "edgert.transport.server", "edgert.transport.oscore"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     asyncio.run(_serve(conn, TlsCredentials.load(credential)))
 
@@ -164,17 +165,22 @@ async def _serve(conn, tls: TlsCredentials) -> None:
                         limits=BENCH_LIMITS, tls=tls)
     main.add_resource("sink", post=sink, rt="edgert.bench")
     main.add_resource("chunk", post=chunk, rt="edgert.bench", envelope=False)
+    udp = TensorServer("coap://127.0.0.1:0", limits=BENCH_LIMITS)  # plaintext UDP (main's is OSCORE)
+    udp.add_resource("sink", post=sink, rt="edgert.bench")
     bert = TensorServer("coap+tcp://127.0.0.1:0",
                         limits=Limits(**{**BENCH_LIMITS.__dict__, "tcp_message_bytes": 1 * MiB}))
     bert.add_resource("sink", post=sink, rt="edgert.bench")
     await main.start()
+    await udp.start()
     await bert.start()
     loop = asyncio.get_running_loop()
-    conn.send({"raw": raw.sockets[0].getsockname()[1], "tcp": main.url("coap+tcp"), "udp": main.url("coap"),
+    conn.send({"raw": raw.sockets[0].getsockname()[1], "tcp": main.url("coap+tcp"), "udp": udp.url("coap"),
+               "oscore": main.url("coap").replace("coap://", f"coap://{tls.identity.name}@"),
                "tls": main.url("coaps+tcp"), "bert": bert.url("coap+tcp")})
     await loop.run_in_executor(None, conn.recv)
     raw.close()
     await main.shutdown()
+    await udp.shutdown()
     await bert.shutdown()
 
 
@@ -198,6 +204,7 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
                               tls: TlsCredentials) -> list[dict[str, Any]]:
     client = TensorClient(ClientConfig(timeout=600.0, retries=0), BENCH_LIMITS, tls=tls)
     await client.start()
+    plain = TensorClient(ClientConfig(timeout=600.0, retries=0), BENCH_LIMITS)  # coap:// without OSCORE
     reader, writer = await asyncio.open_connection("127.0.0.1", urls["raw"])
     transfer_ids = itertools.count()
 
@@ -213,7 +220,10 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
         await client.send(urls["tls"], "sink", env)
 
     async def coap_udp(env: Envelope, data: bytes) -> None:
-        await client.send(urls["udp"], "sink", env)
+        await plain.send(urls["udp"], "sink", env)
+
+    async def coap_oscore(env: Envelope, data: bytes) -> None:
+        await client.send(urls["oscore"], "sink", env)
 
     async def single(env: Envelope, data: bytes) -> None:
         await client.post(urls["tcp"], "sink", data, content_format=60)
@@ -235,10 +245,11 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
             env, data = _payload(size)
             plan = {"raw-tcp": raw, "coap+tcp": coap_tcp, "coaps+tcp": coaps_tcp}
             if size <= config.udp_max_bytes:
-                plan["coap-udp"] = coap_udp
+                plan["coap-udp"], plan["coap-udp+oscore"] = coap_udp, coap_oscore
             reps = {name: _reps(size, config.repeat) for name in plan}
-            if "coap-udp" in reps and size > 64 * KiB:
-                reps["coap-udp"] = 1
+            for name in ("coap-udp", "coap-udp+oscore"):
+                if name in reps and size > 64 * KiB:
+                    reps[name] = 1
             rows += await _interleave("transport", size, plan, reps, env, data)
             if config.strategies and size > 1 * MiB:
                 plan = {"single-message": single, "bert-1MiB": bert, "chunked-1MiB": chunked}
@@ -247,6 +258,7 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
     finally:
         writer.close()
         await client.close()
+        await plain.close()
     return rows
 
 
@@ -346,6 +358,9 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     tcp4, tls4 = _row(rows, "transport", "coap+tcp", 4 * MiB), _row(rows, "transport", "coaps+tcp", 4 * MiB)
     if tcp4 and tls4:
         out["coaps_tcp_vs_coap_tcp_4MiB"] = tcp4["rtt_ms_median"] / tls4["rtt_ms_median"]
+    udp4, oscore4 = _row(rows, "transport", "coap-udp", 4 * KiB), _row(rows, "transport", "coap-udp+oscore", 4 * KiB)
+    if udp4 and oscore4:
+        out["oscore_udp_vs_coap_udp_4KiB"] = udp4["rtt_ms_median"] / oscore4["rtt_ms_median"]
     raw16, tcp16 = _row(rows, "transport", "raw-tcp", 16 * MiB), _row(rows, "transport", "coap+tcp", 16 * MiB)
     if raw16 and tcp16:
         out["coap_tcp_vs_raw_16MiB"] = raw16["rtt_ms_median"] / tcp16["rtt_ms_median"]

@@ -15,6 +15,9 @@ Error responses raise the matching :mod:`~edgert.transport.errors` class
 or :class:`PeerUnreachable`; 5.03 is retried too. A retried POST may arrive twice:
 receivers deduplicate on (run_id, step, microbatch, stage).
 
+With credentials, ``coap://`` requests are OSCORE-protected (:mod:`~edgert.transport.oscore`);
+the coordinator names the device in the URL: ``coap://NAME@host:port``.
+
 Payloads beyond the peer's Max-Message-Size are sent as BERT blocks by aiocoap;
 between edgert endpoints every payload up to :attr:`Limits.max_payload_bytes`
 travels as one message (see docs/PROTOCOL.md, "Large messages"). Over TCP an
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.parse
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -52,6 +56,7 @@ from edgert.transport.errors import MalformedMessage, PeerUnreachable, RequestTi
 from edgert.transport.limits import DEFAULT_LIMITS, HEAD_SLACK, Limits
 from edgert.transport.message import Response
 from edgert.transport.observe import Observation
+from edgert.transport.oscore import OscoreKeys, OscoreRequests
 from edgert.transport.server import parse_url
 from edgert.transport.tls import TlsCredentials
 
@@ -115,6 +120,8 @@ class TensorClient:
         self._tls_tcp: coap_tcp.LargeTCPClient | None = None
         self._targets: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self._udp_remotes: dict[str, Any] = {}
+        self._udp_names: dict[str, str] = {}  # hostinfo -> device name from coap://NAME@host:port (OSCORE)
+        self._oscore: OscoreRequests | None = None
         self._udp_tuning = _UdpTuning(config.udp_ack_timeout, config.udp_max_retransmit)
         self._starting: asyncio.Future | None = None
 
@@ -144,6 +151,9 @@ class TensorClient:
         udp = await MessageInterfaceUDP6.create_client_transport_endpoint(messages, log=context.log, loop=loop)
         messages.message_interface = udp
         tokens.token_interface = messages
+        if self.tls is not None and self.tls.oscore is not None:  # coap:// requests go OSCORE-protected
+            self._oscore = OscoreRequests(context, OscoreKeys(self.tls), self._udp_names)
+            context.request_interfaces.append(self._oscore)
         context.request_interfaces.append(tokens)
         self._context = context
 
@@ -154,6 +164,9 @@ class TensorClient:
         self._udp_remotes.clear()
         if context is not None:
             await context.shutdown()
+        oscore, self._oscore = self._oscore, None
+        if oscore is not None:
+            oscore.keys.close()
 
     async def __aenter__(self) -> TensorClient:
         return await self.start()
@@ -219,6 +232,9 @@ class TensorClient:
                     response = await BlockwiseRequest._complete_by_requesting_block2(
                         self._context, message, response, self._context.log)
                 return Response.from_message(response)
+        if scheme == "coap" and self.tls is not None and self._oscore is None:
+            raise PeerUnreachable(f"coap://{hostinfo} needs OSCORE keys, and {self.tls.path} holds none "
+                                  f"(enrolled before coap:// was protected): enrol again, or use {TLS_SCHEME}://")
         joined = body[0] if len(body) == 1 else b"".join(body)
         message = self._message(code, scheme, hostinfo, uri_path, uri_query, joined, content_format)
         response = await self._context.request(message).response
@@ -262,6 +278,9 @@ class TensorClient:
             hostinfo = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             path = url.split("://", 1)[1].partition("/")[2].partition("?")[0]
             target = (scheme, hostinfo, tuple(p for p in path.split("/") if p))
+            name = urllib.parse.urlsplit(url).username
+            if scheme == "coap" and name:
+                self._udp_names[hostinfo] = urllib.parse.unquote(name)
             self._targets[url] = target
         return target
 

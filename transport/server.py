@@ -15,7 +15,8 @@ request to an async handler registered per path and method::
 With :class:`~edgert.transport.tls.TlsCredentials` a server also binds ``coaps+tcp://``
 (mutual TLS); a request over it from a peer without a valid, unrevoked cluster
 credential is answered 4.01 whatever it asks, and ``roles`` on a resource limits
-which roles may call it (4.03 for others).
+which roles may call it (4.03 for others). With credentials, ``coap://`` takes only
+OSCORE-protected requests (:mod:`edgert.transport.oscore`); any other gets 4.01.
 
 Every bad request is answered with its code and a diagnostic text and the server
 keeps serving: unknown path 4.04, wrong method 4.05, malformed CBOR or envelope
@@ -57,7 +58,8 @@ from edgert.transport.errors import (
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import TEXT, Request, Response
 from edgert.transport.observe import Observable
-from edgert.transport.tls import TlsCredentials
+from edgert.transport.oscore import UNPROTECTED, OscoreAddress, OscoreKeys, OscoreSite
+from edgert.transport.tls import PeerIdentity, TlsCredentials
 
 log = logging.getLogger("edgert.transport.server")
 
@@ -82,6 +84,7 @@ class TensorServer:
         self.tls = tls
         self._endpoints: dict[tuple[str, ...], _Endpoint] = {}
         self._context: aiocoap.Context | None = None
+        self._oscore: OscoreKeys | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self.urls: list[str] = []
@@ -155,7 +158,11 @@ class TensorServer:
             raise RuntimeError("server already started")
         loop = asyncio.get_running_loop()
         self._loop = loop
-        context = aiocoap.Context(loop=loop, serversite=_Root(self), loggername="coap-server")
+        site: interfaces.Resource = _Root(self)
+        if self.tls is not None and any(scheme == "coap" for scheme, _, _ in self._binds):
+            self._oscore = OscoreKeys(self.tls)  # coap:// with credentials: OSCORE
+            site = OscoreSite(site, self._oscore)
+        context = aiocoap.Context(loop=loop, serversite=site, loggername="coap-server")
         self._context = context
         try:
             for scheme, host, port in self._binds:
@@ -191,14 +198,25 @@ class TensorServer:
             task.cancel()
         if context is not None:
             await context.shutdown()
+        oscore, self._oscore = self._oscore, None
+        if oscore is not None:
+            oscore.close()
 
     def refusal(self, message: Message) -> Unauthorized | None:
-        """4.01 for a request over TLS from a peer without a valid, unrevoked cluster credential."""
-        connection = message.remote
-        if self.tls is None or not isinstance(connection, coap_tcp.LargeTcpConnection) \
-                or connection.scheme != TLS_SCHEME:
+        """4.01 for a request over TLS or UDP from a peer without a valid, unrevoked cluster credential."""
+        remote = message.remote
+        if self.tls is None:
             return None
-        reason = self.tls.check(connection.peer)
+        if isinstance(remote, OscoreAddress):
+            reason = self.tls.check(remote.peer)
+        elif isinstance(remote, coap_tcp.LargeTcpConnection):
+            if remote.scheme != TLS_SCHEME:
+                return None
+            reason = self.tls.check(remote.peer)
+        elif getattr(remote, "scheme", None) == "coap":
+            reason = UNPROTECTED  # UDP without OSCORE
+        else:
+            return None
         return None if reason is None else Unauthorized(reason)
 
     # -- TCP fast path ----------------------------------------------------------
@@ -317,7 +335,7 @@ class _Endpoint(resource.Resource):
             allowed = ", ".join(sorted(self.handlers))
             raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
                                    f"/{self.path} (allowed: {allowed})")
-        peer = message.remote.peer if isinstance(message.remote, coap_tcp.LargeTcpConnection) else None
+        peer = _identity(message.remote)
         allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
         if allowed is not None and peer.role not in allowed:
             raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
@@ -451,6 +469,11 @@ def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
         return {method: tuple(names) for method, names in roles.items()}
     names = tuple(roles)
     return {method: names for method in handlers}
+
+
+def _identity(remote: Any) -> PeerIdentity | None:
+    """Who sent a request, as TLS or OSCORE authenticated it (None: nobody or plaintext)."""
+    return remote.peer if isinstance(remote, (coap_tcp.LargeTcpConnection, OscoreAddress)) else None
 
 
 def _not_found(path: Iterable[str]) -> NotFound:

@@ -6,12 +6,31 @@ A device credential is one PEM file written by ``edgert keys enroll`` (docs/SECU
     -----BEGIN PRIVATE KEY-----      the device's key
     -----BEGIN CERTIFICATE-----      the device's certificate (CN = name, OU = role), signed by:
     -----BEGIN CERTIFICATE-----      the cluster certificate (the cluster identity, a CA)
+    -----BEGIN EDGERT OSCORE-----    OSCORE keys for coap:// (RFC 8613), see below
 
 Both sides of every connection present their certificate and accept only
 certificates the cluster signed (TLS 1.3, no hostname check: devices are
 identified by certificate, not by address). A client that presents none may
 still connect, so that every request it makes can be answered 4.01 (the server
 checks :attr:`TlsCredentials.revocations` on each request too).
+
+**The OSCORE block** (``coap://``, :mod:`edgert.transport.oscore`) is base64 (64-character
+lines) of one CBOR map. In a worker's credential it is the device's pairwise OSCORE security
+context with the coordinator, the inputs of RFC 8613 section 3.2::
+
+    {"v": 1,
+     "alg": "AES-CCM-16-64-128",         AEAD algorithm (COSE name); HKDF is HKDF-SHA-256
+     "secret": bstr .size 32,            Master Secret
+     "salt": bstr .size 8,               Master Salt
+     "id_context": bstr,                 ID Context = CBOR [name, role, serial] of this device
+     "sender_id": h'01',                 this device's Sender ID
+     "recipient_id": h'00',              the coordinator's Sender ID
+     "peer": [name, role, serial]}       the coordinator's identity (its certificate)
+
+In the keystore's ``coordinator.pem`` it is ``{"v": 1, "root": bstr .size 32}``: the secret
+every device's Master Secret and Salt derive from (:func:`edgert.transport.oscore.device_context`);
+other ``coordinator``-role credentials have no OSCORE block.
+A credential without the block (enrolled before OSCORE) still works for ``coaps+tcp``.
 """
 
 from __future__ import annotations
@@ -23,9 +42,10 @@ import ssl
 import stat
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import cbor2
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
@@ -40,6 +60,9 @@ ROLES = (COORDINATOR_ROLE, WORKER_ROLE)
 
 #: What a credential token (one line to paste on a board) starts with.
 TOKEN_PREFIX = "edgert-credential:"
+
+#: The PEM label of the OSCORE block of a credential.
+OSCORE_LABEL = "EDGERT OSCORE"
 
 _PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.S)
 
@@ -58,6 +81,37 @@ class PeerIdentity:
 
     def __str__(self) -> str:
         return f"{self.role} {self.name!r}"
+
+
+@dataclass(frozen=True)
+class OscorePairwise:
+    """A device's OSCORE security context with the coordinator (the OSCORE block of a worker credential)."""
+
+    secret: bytes = field(repr=False)
+    salt: bytes = field(repr=False)
+    id_context: bytes
+    sender_id: bytes
+    recipient_id: bytes
+    peer: PeerIdentity
+    alg: str = "AES-CCM-16-64-128"
+
+    def to_pem(self) -> bytes:
+        """The OSCORE block of a credential file."""
+        return _oscore_pem({"v": 1, "alg": self.alg, "secret": self.secret, "salt": self.salt,
+                            "id_context": self.id_context, "sender_id": self.sender_id,
+                            "recipient_id": self.recipient_id,
+                            "peer": [self.peer.name, self.peer.role, self.peer.serial]})
+
+
+@dataclass(frozen=True)
+class OscoreRoot:
+    """The coordinator's OSCORE root secret: every device's context derives from it and the device's identity."""
+
+    root: bytes = field(repr=False)
+
+    def to_pem(self) -> bytes:
+        """The OSCORE block of a credential file."""
+        return _oscore_pem({"v": 1, "root": self.root})
 
 
 class Revocations:
@@ -93,6 +147,8 @@ class TlsCredentials:
     cluster_pem: bytes
     revocations: Revocations
     path: Path
+    oscore: OscorePairwise | OscoreRoot | None = field(default=None, repr=False)
+    """The OSCORE keys for ``coap://`` (None: the credential predates OSCORE)."""
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TlsCredentials:
@@ -122,7 +178,7 @@ class TlsCredentials:
         if identity is None:
             raise CredentialError(f"{path}: the certificate names no edgert role (OU must be one of {ROLES})")
         return cls(identity=identity, server_context=server, client_context=client, cluster_pem=cluster_pem,
-                   revocations=Revocations(), path=path)
+                   revocations=Revocations(), path=path, oscore=read_oscore(data, path))
 
     def check(self, identity: PeerIdentity | None) -> str | None:
         """Why ``identity`` may not talk to us (None: it may)."""
@@ -131,6 +187,45 @@ class TlsCredentials:
         if identity.serial in self.revocations:
             return f"the credential of {identity} is revoked"
         return None
+
+
+def read_oscore(data: bytes, path: str | os.PathLike = "credential") -> OscorePairwise | OscoreRoot | None:
+    """The OSCORE block of a credential file's bytes (None: it has none); raises :class:`CredentialError`."""
+    blocks = [m.group(0) for m in _PEM_BLOCK.finditer(data) if m.group(1).decode() == OSCORE_LABEL]
+    if not blocks:
+        return None
+    if len(blocks) > 1:
+        raise CredentialError(f"{path} holds {len(blocks)} OSCORE blocks (expected one)")
+    body = b"".join(blocks[0].splitlines()[1:-1])
+    try:
+        fields = cbor2.loads(base64.b64decode(body, validate=True))
+        if not isinstance(fields, dict) or fields.get("v") != 1:
+            raise ValueError("not a version 1 map")
+        if "root" in fields:
+            root = fields["root"]
+            if not isinstance(root, bytes) or len(root) != 32:
+                raise ValueError("the root secret must be 32 bytes")
+            return OscoreRoot(root)
+        name, role, serial = fields["peer"]
+        context = OscorePairwise(
+            secret=fields["secret"], salt=fields["salt"], id_context=fields["id_context"],
+            sender_id=fields["sender_id"], recipient_id=fields["recipient_id"],
+            peer=PeerIdentity(name=name, role=role, serial=serial), alg=fields["alg"])
+        if not all(isinstance(value, bytes) for value in (context.secret, context.salt, context.id_context,
+                                                           context.sender_id, context.recipient_id)):
+            raise ValueError("secret, salt and ids must be byte strings")
+        if len(context.secret) < 16 or len(context.id_context) > 255 or not isinstance(serial, int) \
+                or role not in ROLES:
+            raise ValueError("secret too short, ID context too long, or a bad peer role or serial")
+        return context
+    except (ValueError, TypeError, KeyError, cbor2.CBORDecodeError) as error:
+        raise CredentialError(f"{path}: the OSCORE block is damaged ({error}); enrol the device again") from None
+
+
+def _oscore_pem(fields: dict) -> bytes:
+    body = base64.b64encode(cbor2.dumps(fields)).decode("ascii")
+    lines = [body[i:i + 64] for i in range(0, len(body), 64)]
+    return "\n".join([f"-----BEGIN {OSCORE_LABEL}-----", *lines, f"-----END {OSCORE_LABEL}-----", ""]).encode()
 
 
 def credential_token(credential: bytes) -> str:

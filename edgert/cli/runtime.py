@@ -24,7 +24,8 @@ def _logging(level: str) -> None:
 @main.command("worker")
 @click.option("--listen", default=None,
               help="URL to serve on (default coaps+tcp://0.0.0.0:5701, or coap+tcp://... with --insecure; "
-                   "port 0 picks a free port).")
+                   "port 0 picks a free port). coap://... with a credential takes OSCORE requests from the "
+                   "coordinator only.")
 @click.option("--credential", type=click.Path(dir_okay=False, path_type=Path), default=None,
               envvar="EDGERT_CREDENTIAL", help="This device's credential file (edgert keys enroll NAME).")
 @click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
@@ -47,20 +48,21 @@ def worker_command(listen: str | None, credential: Path | None, insecure: bool, 
     if slowdown and slowdown_schedule:
         raise click.UsageError("give --slowdown or --slowdown-schedule, not both")
     tls = worker_credentials(credential, insecure)
-    _check_listen(listen, tls is not None)
+    _check_listen(listen, tls is not None, udp=True)
     schedule = SlowdownSchedule.parse(slowdown_schedule or slowdown or "1")
     config = WorkerConfig(listen=listen or default_listen(tls is not None, 5701), name=name, slowdown=schedule,
                           workdir=workdir, join=join, advertise=advertise, tls=tls)
     asyncio.run(_serve(Worker(config)))
 
 
-def _check_listen(listen: str | None, secure: bool) -> None:
+def _check_listen(listen: str | None, secure: bool, udp: bool = False) -> None:
+    """With credentials a server listens on coaps+tcp:// (or, for a worker, coap:// protected with OSCORE)."""
     if listen is None:
         return
     scheme = listen.partition("://")[0]
-    if secure and scheme != "coaps+tcp":
-        raise click.UsageError(f"--listen {listen}: with credentials, listen on coaps+tcp:// "
-                               f"(plaintext needs --insecure)")
+    if secure and scheme != "coaps+tcp" and not (udp and scheme == "coap"):
+        raise click.UsageError(f"--listen {listen}: with credentials, listen on coaps+tcp://"
+                               f"{' or coap:// (OSCORE)' if udp else ''} (plaintext needs --insecure)")
     if not secure and scheme == "coaps+tcp":
         raise click.UsageError(f"--listen {listen}: coaps+tcp needs credentials (--credential / --keys)")
 

@@ -27,6 +27,7 @@ from edgert.runlog import read_metrics
 from edgert.transport import Envelope, PeerUnreachable, TensorClient, encode_envelope
 from edgert.transport.errors import Forbidden, TooLarge, Unauthorized
 from edgert.transport.limits import MiB
+from edgert.transport.tls import OscoreRoot, read_oscore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -150,6 +151,10 @@ def test_no_credential_reaches_logs_metrics_or_traces(trained, cluster):
     for path in [*cluster.workers, cluster.store.coordinator_credential, cluster.keys / "cluster.key"]:
         body = re.search(rb"-----BEGIN PRIVATE KEY-----\n(.*?)-----END", path.read_bytes(), re.S).group(1)
         secrets.append(body.replace(b"\n", b"")[:40])
+        oscore = read_oscore(path.read_bytes())  # the OSCORE master secret, or the coordinator's root
+        if oscore is not None:  # (cluster.key has none)
+            secret = oscore.root if isinstance(oscore, OscoreRoot) else oscore.secret
+            secrets += [secret[:20], secret.hex().encode()[:40]]
     files = [p for folder in (trained["out"], trained["logs"]) for p in folder.rglob("*") if p.is_file()]
     assert files
     for path in files:
