@@ -19,6 +19,7 @@ Map of the package (the folder layout is the architecture):
   - ``weights.py``        :class:`StageState`: a stage's state as one message / file
   - ``devices.py``, ``profiler.py``  devices.json; measuring a stage on this device
   - ``data.py``, ``evaluation.py``, ``runlog.py``, ``progress.py``, ``localcluster.py``
+  - ``fault_injection.py``, ``recovery_bench.py``  SIGKILLs on cue; the recovery benchmark
   - ``cli/``              the ``edgert`` command line
 - ``edgert.exporter``     host side: analyse, slice, build artifacts, check (needs ``onnx``)
 - ``edgert.transport``    CoAP resources and client, CBOR tensors, compression codecs

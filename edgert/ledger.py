@@ -140,6 +140,8 @@ class StepLedger:
                            "backward_ms": round(r.backward_ms, 3), "optimizer_ms": round(r.optimizer_ms, 3),
                            "idle_ms": round(r.idle_ms, 3), "transfer_ms": round(r.send_ms, 3),
                            "slowdown_ms": round(r.slowdown_ms, 3)})
+            if r.replicated_bytes:  # the steps after which this stage sent its copies
+                stages[-1].update(replication_ms=round(r.replication_ms, 3), replicated_bytes=r.replicated_bytes)
         record = StepRecord(step, epoch, samples, loss, accuracy, elapsed * 1000, stages, self.placement)
         self.completed += 1
         self.samples += samples

@@ -161,9 +161,9 @@ def _state_tensors(stage: StageGraph) -> tuple[list[onnx.TensorProto], list[onnx
 
 
 def _build_gradients(model: onnx.ModelProto, requires_grad: set[str], stage: StageGraph) -> onnx.ModelProto:
+    builder_class, get_optimized_model = gradient_builder()  # first: it keeps onnxruntime from importing torch
     from onnxruntime import SessionOptions
 
-    builder_class, get_optimized_model = gradient_builder()
     options = SessionOptions()
     options.log_severity_level = 3
     try:
