@@ -23,6 +23,7 @@ from edgert.errors import EdgertError
 from edgert.localcluster import LocalCluster
 from edgert.protocol import HEALTH, Health
 from edgert.transport import SyncClient
+from edgert.transport.tls import TlsCredentials
 
 T = TypeVar("T")
 KillCondition = Callable[[Health, int], bool]  # (health of the first victim, last completed step) -> kill now
@@ -89,12 +90,14 @@ class Outcome(Generic[T]):
 
 def run_and_kill(job: Callable[[], T], cluster: LocalCluster, run_dir: Path, victims: list[int],
                  when: KillCondition, timeout: float = 120.0, join_timeout: float = 300.0,
-                 poll_s: float = 0.0, on_kill: Callable[[], None] | None = None) -> Outcome[T]:
+                 poll_s: float = 0.0, on_kill: Callable[[], None] | None = None,
+                 tls: TlsCredentials | None = None) -> Outcome[T]:
     """Run ``job`` in a thread; SIGKILL ``cluster``'s ``victims`` once ``when`` holds; return its result.
 
     ``when`` gets the first victim's health and the newest completed step of the run in
     ``run_dir``; it is asked every ``poll_s`` seconds (0: as fast as the victim answers).
     ``on_kill`` runs right after the SIGKILLs (e.g. to kill a coordinator process too).
+    ``tls``: credentials to ask a ``coaps+tcp`` cluster's victim with (the coordinator's).
     An exception of ``job`` is raised here.
     """
     outcome: dict[str, Any] = {}
@@ -109,7 +112,7 @@ def run_and_kill(job: Callable[[], T], cluster: LocalCluster, run_dir: Path, vic
     thread = threading.Thread(target=go, name="edgert-job", daemon=True)
     thread.start()
     kill = None
-    with SyncClient.start() as client:
+    with SyncClient.start(tls=tls) as client:
         deadline = time.monotonic() + timeout
         while kill is None and thread.is_alive() and time.monotonic() < deadline:
             tail.poll()

@@ -340,12 +340,13 @@ class SyncClient:
         self._thread = thread
 
     @classmethod
-    def start(cls, config: ClientConfig = ClientConfig(), limits: Limits = DEFAULT_LIMITS) -> SyncClient:
+    def start(cls, config: ClientConfig = ClientConfig(), limits: Limits = DEFAULT_LIMITS,
+              tls: TlsCredentials | None = None) -> SyncClient:
         """A client on a fresh loop in a daemon thread; call :meth:`close` when done."""
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="edgert-transport", daemon=True)
         thread.start()
-        client = TensorClient(config, limits)
+        client = TensorClient(config, limits, tls=tls)
         sync = cls(client, loop, thread)
         sync.call(client.start())
         return sync

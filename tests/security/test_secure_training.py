@@ -228,3 +228,22 @@ def _hostile_payload(rng: random.Random, weights: Envelope) -> bytes | None:
     for _ in range(rng.randrange(1, 8)):  # a real message with bytes flipped or cut
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     return bytes(data[:rng.randrange(1, len(data) + 1)]) if rng.random() < 0.5 else bytes(data)
+
+
+def test_a_replan_and_a_kill_recovery_work_over_tls(cluster, tmp_path):
+    """The coordinator re-plans (signed stages, migrations between workers) and recovers from a SIGKILL
+    (replicas, FETCH /weights between workers) with every byte over coaps+tcp."""
+    from edgert.fault_injection import run_and_kill
+
+    save_model(build_model("cnn"), tmp_path / "cnn.onnx")
+    export_plan(tmp_path / "cnn.onnx", tmp_path / "plan", ExportOptions(stages=4, training=TrainingConfig()))
+    with LocalCluster(4, names=["w0", "w1", "w2", "w3"], credentials=cluster.workers) as workers:
+        config = TrainConfig(plan_dir=tmp_path / "plan", workers=tuple(workers.urls), out_dir=tmp_path / "run",
+                             steps=30, epochs=10, listen="coaps+tcp://127.0.0.1:0", keys=cluster.keys, progress=False,
+                             replicate_every=5, central_every=5, replan_at=((8, (1, 2, 4)),))
+        outcome = run_and_kill(lambda: train(config), workers, tmp_path / "run", [2], lambda health, step: step >= 15,
+                               tls=cluster.coordinator)
+    summary = outcome.result
+    assert summary.steps == 30 and summary.replans >= 1 and summary.recoveries == 1
+    recovery = [m for m in read_metrics(tmp_path / "run") if m.get("event") == "recovery"][0]
+    assert "w2" not in recovery["workers"] and recovery["steps_lost"] <= 5
