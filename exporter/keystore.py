@@ -32,7 +32,15 @@ from cryptography.x509.oid import NameOID
 from edgert.admission import Admission, StageSigning
 from edgert.errors import EdgertError
 from edgert.transport.oscore import device_context
-from edgert.transport.tls import COORDINATOR_ROLE, ROLES, OscoreRoot, PeerIdentity, TlsCredentials, read_oscore
+from edgert.transport.tls import (
+    COORDINATOR_ROLE,
+    ROLES,
+    OscoreRoot,
+    PeerIdentity,
+    TlsCredentials,
+    read_oscore,
+    write_private,
+)
 
 DEFAULT_DIR = Path(os.environ.get("EDGERT_KEYS", Path.home() / ".edgert" / "cluster"))
 CREDENTIAL_DAYS = 365
@@ -110,12 +118,12 @@ class Keystore:
                                          decipher_only=False), critical=True)
             .sign(key, hashes.SHA256())
         )
-        _write_private(folder / "cluster.key", key.private_bytes(
+        write_private(folder / "cluster.key", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         (folder / "cluster.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
         store = cls(folder, key, certificate, [], 0)
         store._oscore_root = secrets.token_bytes(32)
-        _write_private(folder / "coordinator.pem", store.enroll("coordinator", role="coordinator"))
+        write_private(folder / "coordinator.pem", store.enroll("coordinator", role="coordinator"))
         store._write_crl()
         return store
 
@@ -195,7 +203,7 @@ class Keystore:
                 self._oscore_root = block.root
             else:
                 self._oscore_root = secrets.token_bytes(32)
-                _write_private(path, data + OscoreRoot(self._oscore_root).to_pem())
+                write_private(path, data + OscoreRoot(self._oscore_root).to_pem())
         return self._oscore_root
 
     def _coordinator_identity(self) -> PeerIdentity:
@@ -265,15 +273,9 @@ def local_cluster_keys(folder: Path, names: list[str], cluster: str = "local") -
     paths = []
     for name in names:
         path = folder / f"{name}.pem"
-        _write_private(path, store.enroll(name))
+        write_private(path, store.enroll(name))
         paths.append(path)
     return paths
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(data)
 
 
 def _now() -> datetime.datetime:

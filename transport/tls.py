@@ -289,3 +289,11 @@ def peer_identity(transport) -> PeerIdentity | None:
     if ssl_object is None:
         return None
     return identity_of(ssl_object.getpeercert())
+
+
+def write_private(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` readable by its owner only (mode 600, also when the file existed): keys, credentials."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+    os.chmod(path, 0o600)

@@ -3,7 +3,6 @@ security options every networked command shares (``--keys``/``--credential``, ``
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import click
 
 from edgert.cli import main
 from edgert.errors import EdgertError
+from edgert.transport.tls import write_private
 
 INSECURE_WARNING = ("WARNING: --insecure: plaintext CoAP without authentication. Anyone who can reach "
                     "{what} can read its traffic and send it commands, stages and tensors.")
@@ -101,14 +101,6 @@ def import_command(token: str, out_path: Path) -> None:
     write_private(out_path, credential_from_token(sys.stdin.read() if token == "-" else token))
     identity = TlsCredentials.load(out_path).identity
     click.echo(f"wrote {out_path}: {identity}")
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` readable by its owner only (credentials hold private keys)."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(data)
-    os.chmod(path, 0o600)
 
 
 def worker_credentials(credential: Path | None, insecure: bool):
