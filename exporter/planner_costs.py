@@ -31,7 +31,8 @@ def device_work(problem: PlanProblem, first: int, end: int, device: int, last: b
     """A device's time per micro-batch on the stage: forward + backward, or backward only if last."""
     forward, backward = device_times(problem, first, end, device)
     own = backward if last or problem.stash else forward + backward
-    return max(own + problem.devices[device].call_ms, TINY_MS)
+    costs = problem.devices[device]
+    return max(own + (costs.last_call if last else costs.call_ms), TINY_MS)
 
 
 def shares(problem: PlanProblem, stage: Stage, last: bool) -> tuple[float, ...]:
@@ -64,7 +65,8 @@ def simulated_times(problem: PlanProblem, stage: Stage, last: bool) -> tuple[flo
     split = shares(problem, stage, last)
     times = [device_times(problem, first, end, d) for d in devices]
     forward = max(share * f for share, (f, _) in zip(split, times))
-    backward = max(share * ((b - f if problem.stash and not last else b) + problem.devices[d].call_ms)
+    backward = max(share * ((b - f if problem.stash and not last else b)
+                            + (problem.devices[d].last_call if last else problem.devices[d].call_ms))
                    for share, (f, b), d in zip(split, times, devices))
     return forward, backward + allreduce_ms(problem, stage)
 

@@ -40,6 +40,12 @@ class DeviceCosts:
     memory_bytes: int = 0  # 0 = unknown, unlimited
     cores: int = 1
     call_ms: float = 0.0  # per stage and micro-batch, whatever its units: session calls, boundary I/O
+    last_call_ms: float | None = None  # the same as the last stage, which makes no forward call (None: call_ms)
+
+    @property
+    def last_call(self) -> float:
+        """The fixed cost per micro-batch of being the last stage."""
+        return self.call_ms if self.last_call_ms is None else self.last_call_ms
 
 
 @dataclass(frozen=True)

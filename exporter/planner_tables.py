@@ -47,7 +47,8 @@ def build_tables(problem: PlanProblem) -> Tables:
     per_range = _ranges(backward) if problem.stash else _ranges(forward) + _ranges(backward)
     calls = np.array([d.call_ms for d in problem.devices], dtype=float)
     work = np.where(upper, np.maximum(per_range + calls[:, None, None], TINY_MS), np.inf)
-    last_work = np.maximum(backward[:, -1:] - backward + calls[:, None], TINY_MS)
+    last_calls = np.array([d.last_call for d in problem.devices], dtype=float)
+    last_work = np.maximum(backward[:, -1:] - backward + last_calls[:, None], TINY_MS)
     last_work[:, -1] = np.inf
     params = _ranges(_prefix([[u.param_bytes for u in problem.units]]))[0]
     bandwidth = np.array(problem.bandwidth, dtype=float)

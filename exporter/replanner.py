@@ -172,9 +172,9 @@ class Replanner:
         except PredictorError:
             self.predictor = None  # profiles of another model version: FLOPs and measurements instead
 
-    def _costs(self, worker: str) -> tuple[list[float], list[float], float]:
+    def _costs(self, worker: str) -> tuple[list[float], list[float], float, float]:
         """Forward and backward ms per unit and micro-batch as the planner sees them, and the stage's fixed
-        cost: corrected, optimizer included.
+        cost (as any stage, and as the last, which makes no forward call): corrected, optimizer included.
 
         The optimizer steps once per batch (once per micro-batch under async); its time joins
         the backward, which every stage, last or not, runs.
@@ -183,9 +183,10 @@ class Replanner:
         factor = self._factor.get(worker, 1.0)
         per_microbatch = 1.0 / self.micro_batches
         call_forward, call_backward, call_optimizer = costs.call
+        last_call = (call_backward + call_optimizer * per_microbatch) * factor
         return ([f * factor for f in costs.forward],
                 [(b + o * per_microbatch) * factor for b, o in zip(costs.backward, costs.optimizer)],
-                (call_forward + call_backward + call_optimizer * per_microbatch) * factor)
+                call_forward * factor + last_call, last_call)
 
     def _stage_work(self, worker: str, first_block: int, end_block: int, last: bool) -> float:
         """Uncorrected compute per micro-batch of a stage, as the runtime reports it (optimizer included)."""
@@ -274,12 +275,13 @@ class Replanner:
         units = tuple(self._unit(u, a, e) for u, (a, e) in enumerate(self._units))
         devices = []
         for worker in workers:
-            forward, backward, call = self._costs(worker)
+            forward, backward, call, last_call = self._costs(worker)
             profile = self._profile(worker)
             peaks = tuple(t.peak_bytes for t in profile.blocks) if profile else (0,) * len(units)
             devices.append(DeviceCosts(name=worker, forward_ms=tuple(forward), backward_ms=tuple(backward),
                                        peak_bytes=peaks, memory_bytes=profile.memory_bytes if profile else 0,
-                                       cores=profile.cores if profile else 1, call_ms=call))
+                                       cores=profile.cores if profile else 1, call_ms=call,
+                                       last_call_ms=last_call))
         bandwidth, rtt = self._links(workers)
         slots = 2 if self.training.optimizer == "adamw" else int(bool(self.training.momentum))
         return PlanProblem(units=units, devices=tuple(devices), bandwidth=bandwidth, rtt_ms=rtt,

@@ -43,8 +43,9 @@ def random_problem(seed: int, devices: int, units: int, memory: bool = True, **o
         backward = tuple(f * rng.uniform(1.5, 2.5) for f in forward)
         peak = tuple(rng.randint(1, 16) * MIB for _ in range(units))
         memory = rng.choice([0, 24 * MIB, 48 * MIB, 96 * MIB]) if memory else 0
+        call = rng.choice([0.0, rng.uniform(0.1, 2.0) * slow])
         costs.append(DeviceCosts(f"d{d}", forward, backward, peak, memory, cores=rng.choice([1, 2, 4]),
-                                 call_ms=rng.choice([0.0, rng.uniform(0.1, 2.0) * slow])))
+                                 call_ms=call, last_call_ms=rng.choice([None, call * rng.uniform(0.3, 1.0)])))
     bandwidth = tuple(tuple(rng.choice([2e6, 1e7, 5e7, 1e8]) for _ in range(devices)) for _ in range(devices))
     rtt = tuple(tuple(rng.uniform(0.1, 3.0) for _ in range(devices)) for _ in range(devices))
     return PlanProblem(units=tuple(Unit(f"u{u}", params[u], inputs[u]) for u in range(units)), devices=tuple(costs),

@@ -67,14 +67,14 @@ def stage_truth(replanner: Replanner, manifest, workers: list[str], slowness: di
 
 def stage_prediction(replanner: Replanner, worker: str, manifest, k: int) -> float:
     cuts = [0, *replanner.block_cuts(manifest), len(replanner.analysis.blocks)]
-    forward, backward, call = replanner._costs(worker)
+    forward, backward, call, last_call = replanner._costs(worker)
     units = [u for u, (a, e) in enumerate(replanner._units) if cuts[k] <= a and e <= cuts[k + 1]]
     return sum(forward[u] + backward[u] for u in units) + call
 
 
 def test_profiled_workers_cost_what_their_profile_says(plan, devices_json, tmp_path):
     replanner = Replanner(plan, load_manifest(plan), tmp_path, devices=devices_json, batch_size=64, micro_batches=4)
-    forward, backward, _ = replanner._costs("b")
+    forward, backward, _, _ = replanner._costs("b")
     truth = unit_truth(replanner, 2.0)
     assert forward == pytest.approx([f for f, _ in truth], rel=1e-9)
     assert not replanner._predicts("b")
@@ -165,6 +165,7 @@ def test_a_profiled_stage_costs_its_units_plus_one_fixed_cost(plan, tmp_path):
     blocks_total = len(replanner.analysis.blocks)
     # the whole model as the last stage runs no separate forward: its backward call and the fixed costs
     assert replanner._stage_work("a", 0, blocks_total, last=True) == pytest.approx(whole.backward_ms, rel=1e-9)
-    forward, backward, fixed = replanner._costs("a")
+    forward, backward, fixed, last_fixed = replanner._costs("a")
     assert fixed == pytest.approx(sum(call))
+    assert last_fixed == pytest.approx(call[1] + call[2])  # as the last stage: no forward call
     assert sum(forward) == pytest.approx(whole.forward_ms - call[0], rel=1e-9)
