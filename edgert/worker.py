@@ -28,7 +28,7 @@ from edgert.assignment import SELF
 from edgert.errors import EdgertError
 from edgert.executor import Key, StageExecutor, StepReport, Window
 from edgert.inbox import Inbox, InboxAborted, InboxFull
-from edgert.manifest import BoundaryTensor, needed_roles, verify_file
+from edgert.manifest import BoundaryTensor, needed_roles
 from edgert.onnx_scan import GraphRefused
 from edgert.protocol import (
     ACT,
@@ -243,7 +243,8 @@ class Worker(StateResources, MeasureResources):
                         meta={"loaded": True, "load_ms": load_ms, "worker": self.config.name})
 
     def _load(self, assignment: StageAssignment, files: dict[str, bytes], folder_name: str = "") -> StageSession:
-        """Write the (vetted) files, check them against the manifest entry's sha256, open the sessions."""
+        """Write the files and open the sessions; callers have checked them with :func:`vet_stage_files`
+        (hashes, graphs), so they are not read back and hashed again here."""
         entry = assignment.entry
         folder = self._workdir / assignment.run_id / (folder_name or f"stage{entry.index}-{'-'.join(entry.blocks)}")
         folder.mkdir(parents=True, exist_ok=True)
@@ -253,7 +254,6 @@ class Worker(StateResources, MeasureResources):
                 continue
             path = folder / Path(artifact.path).name
             path.write_bytes(files[artifact.role])
-            verify_file(path, artifact.sha256, f"stage {entry.index} {artifact.role}")
         local = dataclasses.replace(entry, artifacts=tuple(
             dataclasses.replace(a, path=Path(a.path).name) for a in entry.artifacts))
         threads = Threads(assignment.forward_threads, assignment.backward_threads)
