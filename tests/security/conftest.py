@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,14 @@ class Cluster:
     @property
     def coordinator(self) -> TlsCredentials:
         return TlsCredentials.load(self.store.coordinator_credential)
+
+    def anonymous(self) -> TlsCredentials:
+        """Credentials that trust the cluster but present no certificate of their own."""
+        tls = self.tls(self.workers[0])
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.load_verify_locations(cadata=tls.cluster_pem.decode())
+        return dataclasses.replace(tls, client_context=context)
 
 
 @pytest.fixture(scope="session")

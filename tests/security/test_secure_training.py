@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import random
 import re
-import ssl
 import threading
 import time
 from pathlib import Path
@@ -89,13 +88,6 @@ def _stage_envelope(plan: Path, index: int, tamper_graph: bool = False) -> Envel
     return assignment.to_envelope(files)
 
 
-def _anonymous(tls):
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.load_verify_locations(cadata=tls.cluster_pem.decode())
-    return dataclasses.replace(tls, client_context=context)
-
-
 async def _attack_while_training(cluster, plan, urls) -> dict[str, str]:
     """Each hostile request in turn; returns its refusal text by name."""
     target = urls[1]
@@ -108,7 +100,7 @@ async def _attack_while_training(cluster, plan, urls) -> dict[str, str]:
                 await client.request(method, target, path, payload, retries=0, timeout=60)
         refusals[name] = str(caught.value)
 
-    await refused("unenrolled", _anonymous(cluster.tls(cluster.workers[3])), Unauthorized, "GET", "health")
+    await refused("unenrolled", cluster.anonymous(), Unauthorized, "GET", "health")
     await refused("revoked", cluster.tls(cluster.revoked), Unauthorized, "PUT", STAGE, _stage_envelope(plan, 1))
     await refused("foreign", cluster.tls(cluster.stranger), PeerUnreachable, "GET", "health")
     await refused("worker_commands", cluster.tls(cluster.workers[3]), Forbidden, "PUT", STAGE,
@@ -185,7 +177,7 @@ def test_ten_thousand_hostile_requests_change_nothing(trained, cluster):
             rng = random.Random(7)
             paths = ["health", "stage", "run", "batch", "stop", "weights", "migrate", "replica", "profile",
                      "probe", "echo", "act", "grad", ".well-known/core", "nope", "stage/1/x"]
-            async with TensorClient(tls=_anonymous(cluster.tls(cluster.workers[3]))) as anonymous, \
+            async with TensorClient(tls=cluster.anonymous()) as anonymous, \
                     TensorClient(tls=cluster.tls(cluster.workers[3])) as insider:
                 async def one(k: int) -> None:
                     client = anonymous if k % 4 == 0 else insider

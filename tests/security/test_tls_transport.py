@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import ssl
 
 import numpy as np
 import pytest
@@ -36,14 +34,6 @@ class Counting:
         await self.server.shutdown()
 
 
-def _anonymous(tls):
-    """Credentials that trust the cluster but present no certificate of their own."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.load_verify_locations(cadata=tls.cluster_pem.decode())
-    return dataclasses.replace(tls, client_context=context)
-
-
 def test_enrolled_peers_talk_and_know_each_other(cluster):
     async def main():
         async with Counting(cluster.tls(cluster.workers[0])) as live, \
@@ -66,7 +56,7 @@ def test_unauthenticated_and_revoked_peers_get_401_for_everything(cluster, who):
         server_tls = cluster.tls(cluster.workers[0])
         server_tls.revocations.update(
             [cluster.tls(cluster.revoked).identity.serial], number=7)  # what a signed CRL would do
-        client_tls = _anonymous(cluster.tls(cluster.workers[1])) if who == "anonymous" \
+        client_tls = cluster.anonymous() if who == "anonymous" \
             else cluster.tls(cluster.revoked)
         async with Counting(server_tls) as live, TensorClient(tls=client_tls) as client:
             for method, path in (("POST", "echo"), ("POST", "command"), ("GET", ".well-known/core"),
