@@ -402,17 +402,12 @@ def format_table(result: dict[str, Any]) -> str:
     rows, figures = result["rows"], result["ratios"]
     lines = ["Transport (loopback, server in a separate process; CoAP rows include envelope encode + decode)",
              f"{'transport':<16}{'tensor':>10}{'reps':>6}{'median ms':>12}{'p90 ms':>10}{'MB/s':>10}"]
-    for row in rows:
-        if row["section"] == "transport":
-            lines.append(f"{row['transport']:<16}{_size(row['bytes']):>10}{row['reps']:>6}"
-                         f"{row['rtt_ms_median']:>12.3f}{row['rtt_ms_p90']:>10.3f}{row['mb_per_s']:>10.1f}")
+    lines += [_transfer_line(row) for row in rows if row["section"] == "transport"]
     strategy = [row for row in rows if row["section"] == "strategy"]
     if strategy:
         lines += ["", "Large messages over coap+tcp (same encoded bytes)",
                   f"{'strategy':<16}{'tensor':>10}{'reps':>6}{'median ms':>12}{'p90 ms':>10}{'MB/s':>10}"]
-        for row in strategy:
-            lines.append(f"{row['transport']:<16}{_size(row['bytes']):>10}{row['reps']:>6}"
-                         f"{row['rtt_ms_median']:>12.3f}{row['rtt_ms_p90']:>10.3f}{row['mb_per_s']:>10.1f}")
+        lines += [_transfer_line(row) for row in strategy]
     codecs = [row for row in rows if row["section"] == "codec"]
     if codecs:
         lines += ["", "Codecs (4 MiB float32; top-k on a gradient, the rest on ReLU activations)",
@@ -429,6 +424,11 @@ def format_table(result: dict[str, Any]) -> str:
         ok = value >= bound if op == ">=" else value <= bound
         lines.append(f"  {'PASS' if ok else 'FAIL'}  {text}: {value:.4g} (target {op} {bound:g})")
     return "\n".join(lines)
+
+
+def _transfer_line(row: dict[str, Any]) -> str:
+    return (f"{row['transport']:<16}{_size(row['bytes']):>10}{row['reps']:>6}"
+            f"{row['rtt_ms_median']:>12.3f}{row['rtt_ms_p90']:>10.3f}{row['mb_per_s']:>10.1f}")
 
 
 def _size(nbytes: int) -> str:
