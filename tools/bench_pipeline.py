@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slowdown", default="8", help="emulated device slowdown for the 4-stage run")
     parser.add_argument("--pipeline-model", default="mlp-deep", help="model of the 4-stage run")
     parser.add_argument("--repeat", type=int, default=3, help="alternate bare/edgert 1-stage runs this often")
+    parser.add_argument("--keep", type=Path, help="copy the 4-stage run folder (trace.json, metrics.jsonl) here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             pipelined, steps = edgert_run(folder / "plan4", four.urls, folder / "run4", batch_size=args.batch_size,
                                           micro_batches=8, steps=args.pipeline_steps, schedule="1f1b")
         figures = pipeline_figures(steps, 4, 8, skip=3)
+        if args.keep:
+            shutil.copytree(folder / "run4", args.keep, dirs_exist_ok=True)
         rows.append({"run": "edgert_4stage_1f1b", "model": args.pipeline_model,
                      "stages": 4, "micro_batches": 8, "slowdown": args.slowdown,
                      "blocks_per_stage": [len(s.blocks) for s in manifest.stages], "samples_per_s": round(pipelined, 1),

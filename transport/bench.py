@@ -8,7 +8,9 @@ all of them alike.
 Sections:
 
 - ``transport``: per tensor size, median round trip and throughput of (a) a raw
-  asyncio TCP stream carrying the encoded envelope (length prefix, 8-byte ack),
+  asyncio TCP stream carrying the encoded envelope (length prefix, 8-byte ack), (a') the
+  same stream over asyncio's TLS with the run's credentials (``raw-tls``: what TLS itself
+  costs on this host, the ceiling of ``coaps+tcp`` against ``coap+tcp``),
   (b) ``coap+tcp``, (b') ``coaps+tcp`` (mutual TLS 1.3 with cluster credentials made for
   the run) and (c) ``coap`` (UDP) POSTing the envelope to a resource that
   decodes it; the CoAP rows include encoding on the client and decoding on the server.
@@ -145,6 +147,7 @@ class _RawSink(asyncio.BufferedProtocol):
 
 async def _serve(conn, tls: TlsCredentials) -> None:
     raw = await asyncio.get_running_loop().create_server(_RawSink, "127.0.0.1", 0)
+    raw_tls = await asyncio.get_running_loop().create_server(_RawSink, "127.0.0.1", 0, ssl=tls.server_context)
     chunks: dict[str, list[Any]] = {}
 
     async def sink(request: Request) -> None:
@@ -174,11 +177,12 @@ async def _serve(conn, tls: TlsCredentials) -> None:
     await udp.start()
     await bert.start()
     loop = asyncio.get_running_loop()
-    conn.send({"raw": raw.sockets[0].getsockname()[1], "tcp": main.url("coap+tcp"), "udp": udp.url("coap"),
+    conn.send({"raw": raw.sockets[0].getsockname()[1], "raw_tls": raw_tls.sockets[0].getsockname()[1], "tcp": main.url("coap+tcp"), "udp": udp.url("coap"),
                "oscore": main.url("coap").replace("coap://", f"coap://{tls.identity.name}@"),
                "tls": main.url("coaps+tcp"), "bert": bert.url("coap+tcp")})
     await loop.run_in_executor(None, conn.recv)
     raw.close()
+    raw_tls.close()
     await main.shutdown()
     await udp.shutdown()
     await bert.shutdown()
@@ -205,13 +209,22 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
     client = TensorClient(ClientConfig(timeout=600.0, retries=0), BENCH_LIMITS, tls=tls)
     await client.start()
     plain = TensorClient(ClientConfig(timeout=600.0, retries=0), BENCH_LIMITS)  # coap:// without OSCORE
-    reader, writer = await asyncio.open_connection("127.0.0.1", urls["raw"])
+    streams = {"raw-tcp": await asyncio.open_connection("127.0.0.1", urls["raw"]),
+               "raw-tls": await asyncio.open_connection("127.0.0.1", urls["raw_tls"], ssl=tls.client_context,
+                                                        server_hostname="")}
     transfer_ids = itertools.count()
 
-    async def raw(env: Envelope, data: bytes) -> None:
+    async def raw_over(name: str, data: bytes) -> None:
+        reader, writer = streams[name]
         writer.write(len(data).to_bytes(8, "big"))
         writer.write(memoryview(data))  # as coap+tcp does: asyncio slices (copies) the unsent rest of a bytes
         await reader.readexactly(8)
+
+    async def raw(env: Envelope, data: bytes) -> None:
+        await raw_over("raw-tcp", data)
+
+    async def raw_tls(env: Envelope, data: bytes) -> None:
+        await raw_over("raw-tls", data)
 
     async def coap_tcp(env: Envelope, data: bytes) -> None:
         await client.send(urls["tcp"], "sink", env)
@@ -243,7 +256,7 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
     try:
         for size in config.sizes:
             env, data = _payload(size)
-            plan = {"raw-tcp": raw, "coap+tcp": coap_tcp, "coaps+tcp": coaps_tcp}
+            plan = {"raw-tcp": raw, "raw-tls": raw_tls, "coap+tcp": coap_tcp, "coaps+tcp": coaps_tcp}
             if size <= config.udp_max_bytes:
                 plan["coap-udp"], plan["coap-udp+oscore"] = coap_udp, coap_oscore
             reps = {name: _reps(size, config.repeat) for name in plan}
@@ -256,7 +269,8 @@ async def _measure_transports(config: BenchConfig, urls: dict[str, Any],
                 rows += await _interleave("strategy", size, plan, {n: _reps(size, config.repeat) for n in plan},
                                           env, data)
     finally:
-        writer.close()
+        for _, writer in streams.values():
+            writer.close()
         await client.close()
         await plain.close()
     return rows
@@ -358,6 +372,9 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     tcp4, tls4 = _row(rows, "transport", "coap+tcp", 4 * MiB), _row(rows, "transport", "coaps+tcp", 4 * MiB)
     if tcp4 and tls4:
         out["coaps_tcp_vs_coap_tcp_4MiB"] = tcp4["rtt_ms_median"] / tls4["rtt_ms_median"]
+    raw_tls4 = _row(rows, "transport", "raw-tls", 4 * MiB)
+    if raw4 and raw_tls4:  # what TLS itself costs a bare stream on this host: the ceiling of the ratio above
+        out["raw_tls_vs_raw_tcp_4MiB"] = raw4["rtt_ms_median"] / raw_tls4["rtt_ms_median"]
     udp4, oscore4 = _row(rows, "transport", "coap-udp", 4 * KiB), _row(rows, "transport", "coap-udp+oscore", 4 * KiB)
     if udp4 and oscore4:
         out["oscore_udp_vs_coap_udp_4KiB"] = udp4["rtt_ms_median"] / oscore4["rtt_ms_median"]
