@@ -76,14 +76,18 @@ def memory_bytes(problem: PlanProblem, first: int, end: int, device: int, rank: 
 
     Parameters, gradients and optimizer slots; under ``async`` one stashed weight copy per
     in-flight micro-batch (not on the last stage); each in-flight micro-batch's stage inputs
-    (a group member is charged the whole micro-batch); the largest backward peak.
+    and, when activations are stashed, its saved tensors (not on the last stage, whose
+    forward is folded into its backward); a group member is charged the whole micro-batch;
+    the largest backward peak.
     """
     params = sum(unit.param_bytes for unit in problem.units[first:end])
     held = in_flight(problem.schedule, rank, problem.micro_batches)
     stash = held * params if problem.schedule == "async" and rank > 0 else 0
-    inputs = held * problem.micro_batch * problem.units[first].input_bytes
+    kept = problem.units[first].input_bytes
+    if problem.stash and rank > 0:
+        kept += sum(unit.saved_bytes for unit in problem.units[first:end])
     peak = max(problem.devices[device].peak_bytes[first:end])
-    return params * (2 + problem.optimizer_slots) + stash + inputs + peak
+    return params * (2 + problem.optimizer_slots) + stash + held * problem.micro_batch * kept + peak
 
 
 def fits(problem: PlanProblem, first: int, end: int, device: int, rank: int) -> bool:

@@ -138,7 +138,8 @@ def explain_no_fit(problem: PlanProblem) -> str:
     state = sum(unit.param_bytes for unit in problem.units) * (2 + problem.optimizer_slots)
     memories = ", ".join(f"{d.name} {size_text(d.memory_bytes)}" for d in problem.devices)
     return (f"no placement of the {len(problem.units)} units fits in memory: parameters, gradients and optimizer "
-            f"state alone take {size_text(state)}, plus each stage's in-flight inputs under {problem.schedule} "
+            f"state alone take {size_text(state)}, plus each stage's in-flight inputs"
+            f"{' and saved activations' if problem.stash else ''} under {problem.schedule} "
             f"({problem.micro_batches} micro-batches of {problem.micro_batch}); devices: {memories}. "
             f"Try {', or '.join(_remedies(problem))}")
 
@@ -147,6 +148,8 @@ def _remedies(problem: PlanProblem) -> list[str]:
     remedies = ["more devices", "a smaller micro-batch"]
     if problem.schedule == "gpipe":
         remedies.append("the 1f1b schedule")
+    if problem.stash:
+        remedies.append("recomputing instead of stashing (--memory-mode recompute)")
     if problem.optimizer_slots:
         remedies.append(f"an optimizer with fewer than {problem.optimizer_slots} buffers per parameter")
     return remedies
@@ -160,6 +163,9 @@ def _breakdown(problem: PlanProblem, first: int, end: int, device: int, rank: in
              f"backward peak {size_text(max(problem.devices[device].peak_bytes[first:end]))}"]
     if problem.schedule == "async" and rank > 0:
         parts.insert(1, f"stashed weights {size_text(held * params)}")
+    if problem.stash and rank > 0:
+        saved = held * problem.micro_batch * sum(unit.saved_bytes for unit in problem.units[first:end])
+        parts.insert(-1, f"{held} micro-batch(es) of saved activations {size_text(saved)}")
     return ", ".join(parts)
 
 

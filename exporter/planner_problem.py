@@ -27,6 +27,7 @@ class Unit:
     name: str
     param_bytes: int  # trainable parameter bytes
     input_bytes: int  # bytes per sample entering this unit (for unit 0: the model input)
+    saved_bytes: int = 0  # bytes per sample a stashing stage keeps for this unit's backward (an upper bound)
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,9 @@ def _check_units(units: Sequence[Unit]) -> None:
     if len(set(names)) != len(names):
         raise PlanError(f"unit names repeat: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
     for unit in units:
-        if unit.param_bytes < 0 or unit.input_bytes < 0:
-            raise PlanError(f"unit {unit.name!r}: param_bytes {unit.param_bytes} and input_bytes "
-                            f"{unit.input_bytes} must be >= 0")
+        if unit.param_bytes < 0 or unit.input_bytes < 0 or unit.saved_bytes < 0:
+            raise PlanError(f"unit {unit.name!r}: param_bytes {unit.param_bytes}, input_bytes {unit.input_bytes} "
+                            f"and saved_bytes {unit.saved_bytes} must be >= 0")
 
 
 def _check_devices(devices: Sequence[DeviceCosts], units: int) -> None:

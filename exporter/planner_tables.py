@@ -89,13 +89,15 @@ def _max_rank(problem: PlanProblem, params: np.ndarray, upper: np.ndarray) -> np
     devices, units = len(problem.devices), len(problem.units)
     peak = _peak_max(problem)
     inputs = np.array([u.input_bytes for u in problem.units] + [0], dtype=float) * problem.micro_batch
+    saved = _ranges(_prefix([[u.saved_bytes for u in problem.units]]))[0] * problem.micro_batch
     limits = _memory(problem)
     state = params * (2 + problem.optimizer_slots)
     max_rank = np.full((devices, units + 1, units + 1), -1, dtype=np.int64)
     for rank in range(devices):
         held = in_flight(problem.schedule, rank, problem.micro_batches)
         stash = held if problem.schedule == "async" and rank > 0 else 0
-        need = state + stash * params + held * inputs[:, None] + peak
+        kept = inputs[:, None] + (saved if problem.stash and rank > 0 else 0.0)
+        need = state + stash * params + held * kept + peak
         max_rank[(need <= limits[:, None, None]) & upper] = rank
     return max_rank
 

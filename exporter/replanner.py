@@ -294,7 +294,8 @@ class Replanner:
         blocks = self.analysis.blocks[first:end]
         crossing = self.analysis.inputs if first == 0 else self.analysis.cut_before(first).tensors
         return Unit(name="+".join(b.name for b in blocks), param_bytes=sum(b.param_bytes for b in blocks),
-                    input_bytes=sum(t.bytes_per_sample for t in crossing))
+                    input_bytes=sum(t.bytes_per_sample for t in crossing),
+                    saved_bytes=sum(b.output_bytes for b in blocks))
 
     def _profile(self, worker: str):
         """``worker``'s profile when it times exactly the planner's units, else None."""

@@ -10,7 +10,7 @@ MIB = 2**20
 
 
 def uniform_problem(slowdowns: list[float], units: int = 8, forward_ms: float = 1.0, backward_ms: float = 2.0,
-                    param_bytes: int = MIB, input_bytes: int = 1024, peak_bytes: int = MIB,
+                    param_bytes: int = MIB, input_bytes: int = 1024, peak_bytes: int = MIB, saved_bytes: int = 0,
                     memory_bytes: int | list[int] = 0, bandwidth: float = 1e9, rtt_ms: float = 0.0,
                     **options) -> PlanProblem:
     """``units`` equal units; device ``d`` takes ``slowdowns[d]`` times the base forward/backward times."""
@@ -20,7 +20,8 @@ def uniform_problem(slowdowns: list[float], units: int = 8, forward_ms: float = 
                                 memory_bytes=memories[d], cores=2)
                     for d, slow in enumerate(slowdowns))
     n = len(slowdowns)
-    return PlanProblem(units=tuple(Unit(f"u{u}", param_bytes, input_bytes) for u in range(units)), devices=devices,
+    return PlanProblem(units=tuple(Unit(f"u{u}", param_bytes, input_bytes, saved_bytes) for u in range(units)),
+                       devices=devices,
                        bandwidth=full_matrix(n, bandwidth), rtt_ms=full_matrix(n, rtt_ms),
                        micro_batch=options.pop("micro_batch", 8), micro_batches=options.pop("micro_batches", 4),
                        **options)
@@ -31,8 +32,13 @@ def full_matrix(n: int, value: float) -> tuple[tuple[float, ...], ...]:
 
 
 def random_problem(seed: int, devices: int, units: int, memory: bool = True, **options) -> PlanProblem:
-    """Random unit times, sizes, device speeds, memories and links; memory is tight enough to matter."""
+    """Random unit times, sizes, device speeds, memories and links; memory is tight enough to matter.
+
+    Saved activations (what a stashing stage keeps) come from a generator of their own, so
+    adding them left every other random figure of a seed as it was.
+    """
     rng = random.Random(seed)
+    saved = [random.Random(seed * 7919 + u).randint(0, 128) * 1024 for u in range(units)]
     base_forward = [rng.uniform(0.5, 5.0) for _ in range(units)]
     params = [rng.choice([0, rng.randint(1, 8) * MIB]) for _ in range(units)]
     inputs = [rng.randint(1, 64) * 1024 for _ in range(units)]
@@ -48,6 +54,7 @@ def random_problem(seed: int, devices: int, units: int, memory: bool = True, **o
                                  call_ms=call, last_call_ms=rng.choice([None, call * rng.uniform(0.3, 1.0)])))
     bandwidth = tuple(tuple(rng.choice([2e6, 1e7, 5e7, 1e8]) for _ in range(devices)) for _ in range(devices))
     rtt = tuple(tuple(rng.uniform(0.1, 3.0) for _ in range(devices)) for _ in range(devices))
-    return PlanProblem(units=tuple(Unit(f"u{u}", params[u], inputs[u]) for u in range(units)), devices=tuple(costs),
+    return PlanProblem(units=tuple(Unit(f"u{u}", params[u], inputs[u], saved[u]) for u in range(units)),
+                       devices=tuple(costs),
                        bandwidth=bandwidth, rtt_ms=rtt, micro_batch=options.pop("micro_batch", 8),
                        micro_batches=options.pop("micro_batches", rng.choice([1, 2, 4, 8])), **options)

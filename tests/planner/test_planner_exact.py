@@ -41,7 +41,8 @@ def _instances(count: int, groups: bool, memory: bool):
     for seed in range(count):
         rng = random.Random(seed)
         yield seed, random_problem(seed, devices=rng.randint(1, 4), units=rng.randint(1, 7), memory=memory,
-                                   allow_groups=groups, schedule=rng.choice(["gpipe", "1f1b", "async"]))
+                                   allow_groups=groups, schedule=rng.choice(["gpipe", "1f1b", "async"]),
+                                   stash=seed % 3 == 0)
 
 
 def _same_or_both_impossible(problem):

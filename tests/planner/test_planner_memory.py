@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -37,12 +38,43 @@ def test_async_stages_also_hold_stashed_weights():
     assert memory_bytes(problem, 2, 3, 0, rank=0) == MIB * 4  # the last stage stashes nothing
 
 
-def test_every_stage_fits_on_random_instances():
+def test_stashing_stages_also_hold_saved_activations():
+    problem = uniform_problem([1, 1], units=4, param_bytes=MIB, input_bytes=1000, peak_bytes=0, saved_bytes=5000,
+                              micro_batch=8, micro_batches=4, schedule="1f1b", optimizer_slots=2, stash=True)
+    # Stage 0 of 2 keeps, per in-flight micro-batch (3), its inputs and both units' saved tensors.
+    assert memory_bytes(problem, 0, 2, 0, rank=1) == 2 * MIB * 4 + 3 * 8 * (1000 + 2 * 5000)
+    # The last stage folds its forward into its backward: it saves nothing.
+    assert memory_bytes(problem, 2, 4, 1, rank=0) == 2 * MIB * 4 + 1 * 8 * 1000
+    # Recomputing instead of stashing keeps only the inputs.
+    recompute = dataclasses.replace(problem, stash=False)
+    assert memory_bytes(recompute, 0, 2, 0, rank=1) == 2 * MIB * 4 + 3 * 8 * 1000
+
+
+def test_saved_activations_count_against_memory():
+    # Two devices fit two units each while recomputing. Stashing, the first stage also keeps
+    # its saved activations (3 in flight x 8 samples x 2 units x 64 KiB = 3 MiB), which do not fit.
+    base = dict(units=4, param_bytes=MIB, input_bytes=1000, peak_bytes=0, saved_bytes=64 * 1024,
+                micro_batch=8, micro_batches=4, schedule="1f1b", optimizer_slots=2)
+    limit = 2 * MIB * 4 + 3 * 8 * 1000 + 1 * MIB
+    recompute = plan(uniform_problem([1, 1], memory_bytes=limit, **base))
+    assert [(s.first, s.end) for s in recompute.stages] == [(0, 2), (2, 4)]
+    with pytest.raises(PlanError, match="saved activations.*recomputing instead of stashing"):
+        plan(uniform_problem([1, 1], memory_bytes=limit, stash=True, **base))
+    # With a third device the stashing plan exists, and none of its stages overflows.
+    three = uniform_problem([1, 1, 1], memory_bytes=limit, stash=True, **base)
+    stashing = plan(three)
+    assert len(stashing.stages) == 3
+    for s, stage in enumerate(stashing.stages):
+        assert memory_bytes(three, stage.first, stage.end, 0, len(stashing.stages) - 1 - s) <= limit
+
+
+@pytest.mark.parametrize("stash", [False, True])
+def test_every_stage_fits_on_random_instances(stash):
     checked = 0
     for seed in range(30):
         rng = random.Random(seed)
         devices = rng.randint(2, 7) if seed % 10 else 9  # 9 devices: the heuristic search
-        problem = random_problem(seed, devices=devices, units=rng.randint(4, 16),
+        problem = random_problem(seed, devices=devices, units=rng.randint(4, 16), stash=stash,
                                  schedule=rng.choice(["gpipe", "1f1b", "async"]), allow_groups=rng.random() < 0.3)
         try:
             placement = plan(problem)
