@@ -177,7 +177,8 @@ async def _serve(conn, tls: TlsCredentials) -> None:
     await udp.start()
     await bert.start()
     loop = asyncio.get_running_loop()
-    conn.send({"raw": raw.sockets[0].getsockname()[1], "raw_tls": raw_tls.sockets[0].getsockname()[1], "tcp": main.url("coap+tcp"), "udp": udp.url("coap"),
+    conn.send({"raw": raw.sockets[0].getsockname()[1], "raw_tls": raw_tls.sockets[0].getsockname()[1],
+               "tcp": main.url("coap+tcp"), "udp": udp.url("coap"),
                "oscore": main.url("coap").replace("coap://", f"coap://{tls.identity.name}@"),
                "tls": main.url("coaps+tcp"), "bert": bert.url("coap+tcp")})
     await loop.run_in_executor(None, conn.recv)

@@ -169,3 +169,27 @@ def test_a_profiled_stage_costs_its_units_plus_one_fixed_cost(plan, tmp_path):
     assert fixed == pytest.approx(sum(call))
     assert last_fixed == pytest.approx(call[1] + call[2])  # as the last stage: no forward call
     assert sum(forward) == pytest.approx(whole.forward_ms - call[0], rel=1e-9)
+
+
+def test_saved_bytes_bound_what_a_stashing_stage_keeps(plan, tmp_path):
+    """The planner's saved activations per sample are at least what the stash split really keeps."""
+    from edgert.manifest import TrainingConfig
+    from edgert.stage import StageSession
+
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, micro_batches=4, memory_mode="stash")
+    problem = replanner.problem(["a", "b"])
+    first_stage_end = replanner.block_cuts(manifest)[0]
+    units = [u for u, (a, e) in enumerate(replanner._units) if e <= first_stage_end]
+    planned = sum(problem.units[u].saved_bytes for u in units)
+
+    entry = manifest.stages[0]
+    session = StageSession(entry, plan, TrainingConfig(), memory_mode="stash")
+    rows = 8
+    inputs = {t.name: np.random.default_rng(0).standard_normal((rows, *map(int, t.shape[1:]))).astype(np.float32)
+              for t in entry.inputs}
+    kept: dict[str, np.ndarray] = {}
+    session.forward(inputs, kept)
+    actual = sum(array.nbytes for array in kept.values()) / rows
+    assert problem.stash and actual > 0
+    assert actual <= planned <= 4 * actual, (actual, planned)  # an upper bound (2x on mlp-deep), not a wild one
