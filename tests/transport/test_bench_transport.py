@@ -51,16 +51,16 @@ def test_cli_runs_the_benchmark_and_prints_json():
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert set(data) == {"rows", "ratios"}
-    for key in ("coap_tcp_vs_raw_4MiB", "coaps_tcp_vs_coap_tcp_4MiB", "oscore_udp_vs_coap_udp_4KiB", "rtt_4KiB_ms",
+    for key in ("coap_tcp_vs_raw_4MiB", "coaps_tcp_vs_coap_tcp_4MiB", "raw_tls_vs_raw_tcp_4MiB", "oscore_udp_vs_coap_udp_4KiB", "rtt_4KiB_ms",
                 "codec_ms_4MiB",
                 "single_vs_bert_4MiB", "single_vs_chunked_4MiB", "fp16_ratio", "int8_ratio", "int8_channel_ratio",
                 "int4_ratio", "topk_ratio", "topk_rel_rms", "int8_channel_rel_rms"):
         assert key in data["ratios"], key
     assert data["ratios"]["int8_channel_ratio"] >= 3.9 and data["ratios"]["int8_channel_rel_rms"] <= 0.01
     transports = {(r["transport"], r["bytes"]) for r in data["rows"] if r["section"] == "transport"}
-    assert transports == {("raw-tcp", 4 * KiB), ("coap+tcp", 4 * KiB), ("coaps+tcp", 4 * KiB), ("coap-udp", 4 * KiB),
-                          ("coap-udp+oscore", 4 * KiB), ("raw-tcp", 4 * MiB), ("coap+tcp", 4 * MiB),
-                          ("coaps+tcp", 4 * MiB)}
+    assert transports == {(name, size) for size in (4 * KiB, 4 * MiB)
+                          for name in ("raw-tcp", "raw-tls", "coap+tcp", "coaps+tcp")} | \
+        {("coap-udp", 4 * KiB), ("coap-udp+oscore", 4 * KiB)}
 
 
 def test_tool_script_and_bad_cli_input():
