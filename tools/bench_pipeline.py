@@ -13,13 +13,15 @@
    it (the flush at every step; 0.727 for 8 micro-batches on 4 stages): ratio
    ``f1b_bound``. ``f1b_vs_simulated`` compares with the same schedule simulated from the
    measured stage times with free, instant messages: what the runtime's overhead costs.
+   ``f1b_schedule_ceiling`` (ideal over simulated) is what ``f1b_vs_ideal_4stages`` would be
+   with free messages: the bound, less what the measured stages' imbalance costs.
 
 This machine has 2 cores; four compute-bound workers would contend for them, which is not
 what four devices do. So the 4-stage run emulates devices ``--slowdown`` times slower than
 this host (each worker sleeps (F-1)x its measured compute, sleeping without a core), which
 is what the pipeline's ideal assumes: stages that run in parallel.
 
-Usage: python tools/bench_pipeline.py [--json] [--model resnet-mini] [--steps 100] [--slowdown 8]
+Usage: python tools/bench_pipeline.py [--json] [--model resnet-mini] [--steps 100] [--slowdown 8] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {"one_stage_vs_bare_ort": round(single / bare, 3),
               "f1b_vs_ideal_4stages": round(figures["ideal_ms"] / figures["measured_ms"], 3),
               "f1b_bound": round(8 / (8 + 4 - 1), 3),
-              "f1b_vs_simulated": round(figures["simulated_ms"] / figures["measured_ms"], 3)}
+              "f1b_vs_simulated": round(figures["simulated_ms"] / figures["measured_ms"], 3),
+              "f1b_schedule_ceiling": round(figures["ideal_ms"] / figures["simulated_ms"], 3)}
     result = {"rows": rows, "ratios": ratios, "model": args.model, "batch_size": args.batch_size}
     if args.json:
         print(json.dumps(result))
