@@ -157,11 +157,12 @@ class RecoveryMixin:
         self._evaluator = Evaluator(folder, manifest)
         self._failed = set()
         after = snapshot if snapshot is not None else -1
-        self.ledger.restart(self.names, after=after)
+        from_snapshot = self.ledger.restart(self.names, after=after)
         resume = after + 1
         total = time.monotonic() - noticed_at
         self.log.event("recovery", failed=sorted(failed), detection_s=round(detected - noticed_at, 3),
                        snapshot_step=snapshot, resume_step=resume, steps_lost=max(lost_at - after, 0),
+                       steps_from_snapshot=from_snapshot,
                        replan_s=round(built - planned, 3), transfer_s=round(moved, 3), total_s=round(total, 3),
                        new_cuts=list(manifest.cuts), workers=self.names)
         if self._progress is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgert.errors import EdgertError
+from edgert.manifest import MEMORY_MODES
 
 FORMAT = "edgert-devices"
 FORMAT_VERSION = 1
@@ -90,6 +91,10 @@ class DevicesFile:
             raise EdgertError(f"not an edgert devices file (expected format {FORMAT!r})")
         if data.get("format_version") != FORMAT_VERSION:
             raise EdgertError(f"devices file version {data.get('format_version')!r} is not supported")
+        memory_mode = data.get("memory_mode", "recompute")
+        if memory_mode not in MEMORY_MODES:
+            raise EdgertError(f"devices file is malformed: memory_mode {memory_mode!r} is not one of "
+                              f"{', '.join(MEMORY_MODES)}")
         try:
             devices = tuple(
                 DeviceProfile(**{**d, "blocks": tuple(BlockTiming(**b) for b in d.get("blocks", [])),
@@ -98,7 +103,7 @@ class DevicesFile:
             return cls(model_sha256=data["model_sha256"], blocks=tuple(data["blocks"]),
                        micro_batch=int(data["micro_batch"]), devices=devices,
                        links=tuple(LinkProfile(**link) for link in data.get("links", [])),
-                       notes=dict(data.get("notes", {})), memory_mode=str(data.get("memory_mode", "recompute")))
+                       notes=dict(data.get("notes", {})), memory_mode=memory_mode)
         except (KeyError, TypeError, ValueError) as error:
             raise EdgertError(f"devices file is malformed: {type(error).__name__}: {error}") from None
 

@@ -96,9 +96,18 @@ class StepLedger:
         """The newest completed step, -1 before any."""
         return max((r.step for r in self.recent), default=-1)
 
-    def restart(self, names: list[str], after: int) -> None:
-        """Training goes on from step ``after + 1`` on these workers: later steps are forgotten."""
-        self.forget([step for step in self._pending if step > after])
+    def restart(self, names: list[str], after: int) -> list[int]:
+        """Training goes on from step ``after + 1`` on these workers: later steps are forgotten.
+
+        Steps up to ``after`` that never completed here are in the snapshot's weights (a worker
+        copied its state, then died before its batched report went out): they count as done.
+        Returns those steps; they have no metrics line.
+        """
+        vouched = sorted(step for step in self._pending if step <= after)
+        for step in vouched:
+            self.completed += 1
+            self.samples += self._meta[step][1]
+        self.forget(list(self._pending))
         undone = [r for r in self.recent if r.step > after]
         self.completed -= len(undone)
         self.samples -= sum(r.samples for r in undone)
@@ -106,6 +115,7 @@ class StepLedger:
         self.failure = None
         self.configure(names)
         self.reset_timing()
+        return vouched
 
     def forget(self, steps: list[int]) -> None:
         """Steps that will not run (a segment was cut short)."""

@@ -10,7 +10,7 @@
 
 Devices get credentials from :meth:`Keystore.enroll` (see :mod:`edgert.transport.tls` for the
 format), including their OSCORE context with the coordinator, derived from the root secret
-(:func:`edgert.transport.oscore.device_context`); the coordinator signs every stage it hands
+(:func:`edgert.transport.oscore_keys.device_context`); the coordinator signs every stage it hands
 out with :meth:`Keystore.sign`.
 """
 
@@ -31,7 +31,7 @@ from cryptography.x509.oid import NameOID
 
 from edgert.admission import Admission, StageSigning
 from edgert.errors import EdgertError
-from edgert.transport.oscore import device_context
+from edgert.transport.oscore_keys import device_context
 from edgert.transport.tls import (
     COORDINATOR_ROLE,
     ROLES,

@@ -56,7 +56,8 @@ from edgert.transport.errors import MalformedMessage, PeerUnreachable, RequestTi
 from edgert.transport.limits import DEFAULT_LIMITS, HEAD_SLACK, Limits
 from edgert.transport.message import Response
 from edgert.transport.observe import Observation
-from edgert.transport.oscore import OscoreKeys, OscoreRequests
+from edgert.transport.oscore import OscoreRequests
+from edgert.transport.oscore_keys import OscoreKeys
 from edgert.transport.server import parse_url
 from edgert.transport.tls import TlsCredentials
 

@@ -58,7 +58,8 @@ from edgert.transport.errors import (
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import TEXT, Request, Response
 from edgert.transport.observe import Observable
-from edgert.transport.oscore import UNPROTECTED, OscoreAddress, OscoreKeys, OscoreSite
+from edgert.transport.oscore import UNPROTECTED, OscoreAddress, OscoreSite
+from edgert.transport.oscore_keys import OscoreKeys
 from edgert.transport.tls import PeerIdentity, TlsCredentials
 
 log = logging.getLogger("edgert.transport.server")

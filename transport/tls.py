@@ -28,7 +28,7 @@ context with the coordinator, the inputs of RFC 8613 section 3.2::
      "peer": [name, role, serial]}       the coordinator's identity (its certificate)
 
 In the keystore's ``coordinator.pem`` it is ``{"v": 1, "root": bstr .size 32}``: the secret
-every device's Master Secret and Salt derive from (:func:`edgert.transport.oscore.device_context`);
+every device's Master Secret and Salt derive from (:func:`edgert.transport.oscore_keys.device_context`);
 other ``coordinator``-role credentials have no OSCORE block.
 A credential without the block (enrolled before OSCORE) still works for ``coaps+tcp``.
 """
