@@ -38,7 +38,7 @@ class Placement:
     link_codecs: tuple[str, ...]  # per link between consecutive stages
     link_ms: tuple[float, ...]
     bottleneck_ms: float  # max over stages' compute_ms and link_ms
-    predicted_step_ms: float  # edgert.schedule.simulate of one window of micro_batches
+    predicted_step_ms: float  # one synchronous window of micro_batches; async: the steady time per step
     unused_devices: tuple[str, ...]
 
     def cut_units(self) -> list[int]:
@@ -72,8 +72,8 @@ def build_placement(problem: PlanProblem, stages: Sequence[Stage]) -> Placement:
     links = [costs.choose_codec(problem, a[2], b[2], b[0], threshold) for a, b in pairs]
     link_times = [ms for _, ms in links]
     timings = [costs.simulated_times(problem, stage, last) for stage, last in zip(stages, lasts)]
-    step = simulate(problem.schedule, [f for f, _ in timings], [b for _, b in timings], problem.micro_batches,
-                    link_times)
+    step = step_ms(problem.schedule, [f for f, _ in timings], [b for _, b in timings], problem.micro_batches,
+                   link_times)
     used = {d for stage in stages for d in stage[2]}
     return Placement(
         stages=tuple(_stage_plan(problem, stage, count - 1 - s, ms, lasts[s])
@@ -81,6 +81,17 @@ def build_placement(problem: PlanProblem, stages: Sequence[Stage]) -> Placement:
         link_codecs=tuple(name for name, _ in links), link_ms=tuple(link_times),
         bottleneck_ms=max(compute + link_times), predicted_step_ms=step,
         unused_devices=tuple(d.name for i, d in enumerate(problem.devices) if i not in used))
+
+
+def step_ms(schedule: str, forward_ms: list[float], backward_ms: list[float], micro_batches: int,
+            link_ms: list[float]) -> float:
+    """Predicted time per optimizer step: a synchronous schedule's window of ``micro_batches``; under
+    ``async`` (no flush) the steady interval between steps, not one batch's trip through the pipeline."""
+    if schedule != "async":
+        return simulate(schedule, forward_ms, backward_ms, micro_batches, link_ms)
+    warm = 2 * len(forward_ms) + 2  # enough steps for the pipeline to be full
+    longer = simulate(schedule, forward_ms, backward_ms, 2 * warm, link_ms)
+    return (longer - simulate(schedule, forward_ms, backward_ms, warm, link_ms)) / warm
 
 
 def _stage_plan(problem: PlanProblem, stage: Stage, rank: int, ms: float, last: bool) -> StagePlan:

@@ -37,3 +37,15 @@ def test_few_units_leave_the_slowest_devices_out():
     placement = plan(uniform_problem(SLOWDOWNS, units=8))
     assert set(placement.unused_devices) == {"dev2", "dev3"}
     assert placement.bottleneck_ms == pytest.approx(12.0)  # 2 units x 3 ms x 2 | 6 units x 2 ms x 1
+
+
+def test_async_predicts_the_time_between_steps_not_one_batchs_trip():
+    """No flush under async: in steady state a step ends every bottleneck, once the pipeline is full."""
+    problem = uniform_problem([1, 1, 1, 1], units=8, schedule="async", micro_batches=1, rtt_ms=0.0, bandwidth=1e12)
+    placement = evaluate(problem, [(2 * s, 2 * s + 2, (f"dev{s}",)) for s in range(4)])
+    # each stage: 2 units x (1 ms forward + 2 ms backward); the last folds its forward into its backward
+    assert placement.bottleneck_ms == pytest.approx(6.0, rel=0.01)
+    assert placement.predicted_step_ms == pytest.approx(placement.bottleneck_ms, rel=0.01)
+    synchronous = evaluate(uniform_problem([1, 1, 1, 1], units=8, micro_batches=1, bandwidth=1e12),
+                           [(2 * s, 2 * s + 2, (f"dev{s}",)) for s in range(4)])
+    assert synchronous.predicted_step_ms > 3 * placement.predicted_step_ms  # one batch's whole trip
