@@ -17,6 +17,9 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``coap_tcp.py``    CoAP over TCP with negotiated large messages (aiocoap transport subclass)
 - ``framing.py``     RFC 8323 framing at the byte level (frame length, options, frame head)
 - ``bench.py``       the transport benchmark behind ``edgert bench transport`` / tools/bench_transport.py
+- ``tls.py``         credentials (:class:`TlsCredentials`), the TLS contexts of ``coaps+tcp``, revocation
+- ``oscore.py``      OSCORE for ``coap://``: the protecting client and the 4.01-answering server
+- ``oscore_keys.py`` OSCORE contexts from enrolment, with persistent sequence numbers and replay windows
 """
 
 from edgert.transport.client import ClientConfig, SyncClient, TensorClient
