@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from edgert.exporter.planner_problem import PlanProblem, in_flight
+from edgert.exporter.planner_problem import PlanProblem, in_flight, stashes_activations, stashes_weights
 
 Stage = tuple[int, int, tuple[int, ...]]
 TINY_MS = 1e-12  # a stage measured at 0 ms still gets a finite share of a group's work
@@ -82,9 +82,9 @@ def memory_bytes(problem: PlanProblem, first: int, end: int, device: int, rank: 
     """
     params = sum(unit.param_bytes for unit in problem.units[first:end])
     held = in_flight(problem.schedule, rank, problem.micro_batches)
-    stash = held * params if problem.schedule == "async" and rank > 0 else 0
+    stash = held * params if stashes_weights(problem, rank) else 0
     kept = problem.units[first].input_bytes
-    if problem.stash and rank > 0:
+    if stashes_activations(problem, rank):
         kept += sum(unit.saved_bytes for unit in problem.units[first:end])
     peak = max(problem.devices[device].peak_bytes[first:end])
     return params * (2 + problem.optimizer_slots) + stash + held * problem.micro_batch * kept + peak

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from edgert.exporter import planner_costs as costs
 from edgert.exporter.planner_costs import Stage
-from edgert.exporter.planner_problem import PlanError, PlanProblem, check_problem, in_flight
+from edgert.exporter.planner_problem import (
+    PlanError,
+    PlanProblem,
+    check_problem,
+    in_flight,
+    stashes_activations,
+    stashes_weights,
+)
 from edgert.schedule import simulate
 
 
@@ -172,9 +179,9 @@ def _breakdown(problem: PlanProblem, first: int, end: int, device: int, rank: in
     parts = [f"state {size_text(params * (2 + problem.optimizer_slots))}",
              f"{held} in-flight input(s) {size_text(held * problem.micro_batch * problem.units[first].input_bytes)}",
              f"backward peak {size_text(max(problem.devices[device].peak_bytes[first:end]))}"]
-    if problem.schedule == "async" and rank > 0:
+    if stashes_weights(problem, rank):
         parts.insert(1, f"stashed weights {size_text(held * params)}")
-    if problem.stash and rank > 0:
+    if stashes_activations(problem, rank):
         saved = held * problem.micro_batch * sum(unit.saved_bytes for unit in problem.units[first:end])
         parts.insert(-1, f"{held} micro-batch(es) of saved activations {size_text(saved)}")
     return ", ".join(parts)

@@ -88,6 +88,17 @@ def in_flight(schedule: str, rank: int, micro_batches: int) -> int:
     return 1 if rank == 0 else min(rank + 2, micro_batches)
 
 
+def stashes_weights(problem: PlanProblem, rank: int) -> bool:
+    """Whether a stage keeps a weight copy per in-flight micro-batch: under ``async``, all but the last."""
+    return problem.schedule == "async" and rank > 0
+
+
+def stashes_activations(problem: PlanProblem, rank: int) -> bool:
+    """Whether a stage keeps its saved tensors per in-flight micro-batch: when stashing, all but the
+    last, whose forward is folded into its backward."""
+    return problem.stash and rank > 0
+
+
 def check_problem(problem: PlanProblem) -> None:
     """Raise :class:`PlanError` naming the first malformed field, with its bad value."""
     _check_units(problem.units)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgert.exporter.planner_costs import TINY_MS
-from edgert.exporter.planner_problem import PlanProblem, in_flight
+from edgert.exporter.planner_problem import PlanProblem, in_flight, stashes_activations, stashes_weights
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def _max_rank(problem: PlanProblem, params: np.ndarray, upper: np.ndarray) -> np
     max_rank = np.full((devices, units + 1, units + 1), -1, dtype=np.int64)
     for rank in range(devices):
         held = in_flight(problem.schedule, rank, problem.micro_batches)
-        stash = held if problem.schedule == "async" and rank > 0 else 0
-        kept = inputs[:, None] + (saved if problem.stash and rank > 0 else 0.0)
+        stash = held if stashes_weights(problem, rank) else 0
+        kept = inputs[:, None] + (saved if stashes_activations(problem, rank) else 0.0)
         need = state + stash * params + held * kept + peak
         max_rank[(need <= limits[:, None, None]) & upper] = rank
     return max_rank
