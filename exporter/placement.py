@@ -85,8 +85,8 @@ def _plan_and_export(replanner: Replanner, devices, devices_path: Path, out_dir:
         problem = replace(problem, allow_groups=True)
     placement = plan(problem)
     if any(len(stage.devices) > 1 for stage in placement.stages):
-        raise ExportError("the best placement runs a stage on a group of devices; edgert's runtime does not run "
-                          "data-parallel groups yet: plan without --groups")
+        raise ExportError("the best placement runs a stage on a group of devices, and edgert's runtime does not "
+                          "run data-parallel groups yet: plan with allow_groups=False")
     cuts = [replanner.unit_first_block(u) for u in placement.cut_units()]
     manifest = replanner.build(cuts, out_dir)
     urls = {d.name: d.url for d in devices.devices}
