@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgert.assignment import AssignmentError, LinkSettings, assign, with_learning_rate
+from edgert.coordinator_evaluation import EvaluationMixin
 from edgert.coordinator_recovery import RecoveryMixin
 from edgert.coordinator_replan import ReplanMixin
 from edgert.data import Batch, batches, load_training_data
@@ -54,7 +55,7 @@ from edgert.runlog import RunLog
 from edgert.schedule import SCHEDULES
 from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.server import parse_url
-from edgert.weights import StageState, save_state
+from edgert.weights import StageState
 
 log = logging.getLogger("edgert.coordinator")
 
@@ -119,7 +120,7 @@ class RunSummary:
     recoveries: int = 0
 
 
-class Coordinator(RecoveryMixin, ReplanMixin):
+class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
     """Runs one training job over a set of workers."""
 
     def __init__(self, config: TrainConfig):
@@ -163,6 +164,7 @@ class Coordinator(RecoveryMixin, ReplanMixin):
         self._progress: Progress | None = None
         self._settings: LinkSettings | None = None
         self._evaluator: Evaluator | None = None
+        self._init_evaluation()
 
     def _check_config(self) -> None:
         config = self.config
@@ -305,7 +307,7 @@ class Coordinator(RecoveryMixin, ReplanMixin):
                     chunk = chunk[done:]
                     self.ledger.reset_timing()
                 if ends_epoch:
-                    test = await self._evaluate(self._evaluator, plan[position - 1].epoch, plan[position - 1].step)
+                    test = await self._evaluate(plan[position - 1].epoch, plan[position - 1].step)
                 if position < len(plan) and plan[position].step in dict(config.replan_at):
                     await self._forced_replan(plan[position].step)
             except (WorkerFailure, TransportError, AssignmentError) as error:
@@ -315,18 +317,25 @@ class Coordinator(RecoveryMixin, ReplanMixin):
                 resume = await self._recover(failure)
                 position = next(k for k, batch in enumerate(plan) if batch.step == resume)
             self.ledger.reset_timing()
+        await self._settle_evaluations()
         return test
 
     def _chunks(self, plan: list[Batch]) -> list[tuple[list[Batch], bool]]:
-        """Segments: an epoch, cut before every forced re-plan."""
+        """Segments: an epoch (under ``async``, every epoch left), cut before every forced re-plan.
+
+        An ``async`` segment runs on across epoch ends: each is evaluated from the copies the
+        stages send after its last step (edgert/coordinator_evaluation.py).
+        """
         forced = {step for step, _ in self.config.replan_at}
+        through_epochs = self.config.schedule == "async"
         chunks: list[tuple[list[Batch], bool]] = []
         current: list[Batch] = []
         for k, batch in enumerate(plan):
             current.append(batch)
             following = plan[k + 1] if k + 1 < len(plan) else None
             ends_epoch = following is None or following.epoch != batch.epoch
-            if ends_epoch or (following is not None and following.step in forced):
+            if (ends_epoch and (following is None or not through_epochs)) or (
+                    following is not None and following.step in forced):
                 chunks.append((current, ends_epoch))
                 current = []
         return chunks
@@ -341,7 +350,11 @@ class Coordinator(RecoveryMixin, ReplanMixin):
         """
         config = self.config
         stages = len(self.manifest.stages)
-        segment = Segment(config.schedule, stages, plan[0].step, len(plan), config.batch_size, config.micro_batches)
+        epoch_ends = {batch.step: batch.epoch for batch, following in zip(plan, plan[1:])
+                      if batch.epoch != following.epoch}
+        segment = Segment(config.schedule, stages, plan[0].step, len(plan), config.batch_size, config.micro_batches,
+                          checkpoint_steps=tuple(sorted(epoch_ends)))
+        self._expect_checkpoints(epoch_ends)
         for batch in plan:
             self.ledger.expect(batch.step, batch.epoch, len(batch.indices))
         envelope = segment.to_envelope(self.run_id)
@@ -397,6 +410,7 @@ class Coordinator(RecoveryMixin, ReplanMixin):
             if step <= last:
                 await self._wait_step(step)
         self.ledger.forget([batch.step for batch in plan if batch.step > last])
+        await self._settle_evaluations(through_step=last, drop_later=True)
         await self._repartition(proposal, last + 1)
         return last + 1 - plan[0].step
 
@@ -435,30 +449,6 @@ class Coordinator(RecoveryMixin, ReplanMixin):
             return StageState.from_envelope(await self.client.fetch(url, WEIGHTS, timeout=60.0))
 
         return list(await asyncio.gather(*(fetch(url) for url in self.order)))
-
-    async def _evaluate(self, evaluator: Evaluator, epoch: int, step: int) -> tuple[float | None, float | None]:
-        states = await self._fetch_states()
-        folder = self.config.out_dir / "checkpoints" / "latest"
-        for stale in folder.glob("stage*.cbor"):
-            stale.unlink()
-        written = sum(save_state(state, folder / f"stage{k}.cbor", self.run_id) for k, state in enumerate(states))
-        self._copy_plan(self.config.out_dir / "plan")
-        (folder / "checkpoint.json").write_text(json.dumps({"step": step, "epoch": epoch,
-                                                            "stages": len(states)}))
-        loss, accuracy = await asyncio.get_running_loop().run_in_executor(
-            None, evaluator.evaluate, states, self.dataset.x_test, self.dataset.y_test)
-        self.log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
-                        checkpoint_bytes=written)
-        if self._progress is not None:
-            accuracy_text = f", test accuracy {accuracy:.4f}" if accuracy is not None else ""
-            self._progress.message(f"epoch {epoch + 1}: test loss {loss:.4f}{accuracy_text}")
-        return loss, accuracy
-
-    def _copy_plan(self, target: Path) -> None:
-        """The run's plan folder follows re-partitions, so a checkpoint always matches it."""
-        if self.plan_dir.resolve() != target.resolve():
-            target.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.plan_dir / MANIFEST_NAME, target / MANIFEST_NAME)
 
     def _summary(self, test: tuple[float | None, float | None]) -> RunSummary:
         wall = max(self._train_seconds, 1e-9)

@@ -48,6 +48,7 @@ class RecoveryMixin:
         if self.central.put(state, str(envelope.meta.get("origin", request.peer)), len(self.manifest.stages),
                             manifest_text, str(self.plan_dir.resolve())):
             self.log.event("central_snapshot", step=state.step, stages=len(self.manifest.stages))
+            self._snapshot_complete(state.step)
 
     async def _on_weights_fetch(self, request: Request) -> Envelope:
         """Copies as of a step, for workers taking over blocks during a recovery."""
@@ -118,7 +119,9 @@ class RecoveryMixin:
         failed = set(failure.urls)
         for _ in range(len(self.known)):
             try:
-                return await self._recover_once(failed, failure.noticed_at)
+                resume = await self._recover_once(failed, failure.noticed_at)
+                self._forget_checkpoints("a worker failed before every stage's copy arrived", resume)
+                return resume
             except (EdgertError, TransportError) as error:
                 survivors = [url for url in self.known if url not in failed]
                 more = await dead_among(self.client, survivors)

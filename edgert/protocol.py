@@ -117,7 +117,9 @@ class Segment:
     Every step is one batch of ``batch_size`` samples. Synchronous schedules split it into
     ``micro_batches`` and step the optimizer once per batch; ``async`` sends each batch
     through the pipeline as one micro-batch with its own optimizer step, and drains only at
-    the end of the segment.
+    the end of the segment. After each of ``checkpoint_steps`` every stage sends its state to
+    the coordinator, which evaluates from those copies without draining (an epoch's end
+    inside an ``async`` segment).
     """
 
     schedule: str
@@ -126,6 +128,7 @@ class Segment:
     steps: int
     batch_size: int
     micro_batches: int
+    checkpoint_steps: tuple[int, ...] = ()
 
     def windows(self) -> list[Window]:
         """The windows the stage executes for this segment, in order."""
@@ -147,7 +150,7 @@ class Segment:
 
     def to_envelope(self, run_id: str) -> Envelope:
         return Envelope(kind="control", run_id=run_id, step=self.first_step,
-                        meta={"command": "run", **asdict(self)})
+                        meta={"command": "run", **asdict(self), "checkpoint_steps": list(self.checkpoint_steps)})
 
     @classmethod
     def from_envelope(cls, envelope: Envelope) -> Segment:
@@ -155,11 +158,15 @@ class Segment:
         try:
             segment = cls(schedule=str(meta["schedule"]), stages=int(meta["stages"]),
                           first_step=int(meta["first_step"]), steps=int(meta["steps"]),
-                          batch_size=int(meta["batch_size"]), micro_batches=int(meta["micro_batches"]))
+                          batch_size=int(meta["batch_size"]), micro_batches=int(meta["micro_batches"]),
+                          checkpoint_steps=tuple(int(s) for s in meta.get("checkpoint_steps", ())))
         except (KeyError, TypeError, ValueError) as error:
             raise ProtocolError(f"run command is malformed: {type(error).__name__}: {error}") from None
         if segment.schedule not in SCHEDULES or min(segment.steps, segment.batch_size, segment.micro_batches) < 1:
             raise ProtocolError(f"run command is out of range: {segment}")
+        if any(not segment.first_step <= s <= segment.last_step for s in segment.checkpoint_steps):
+            raise ProtocolError(f"run command's checkpoint_steps {list(segment.checkpoint_steps)} are not all in "
+                                f"steps {segment.first_step}..{segment.last_step}")
         return segment
 
 

@@ -172,6 +172,10 @@ class CentralCopies:
     def holdings(self) -> list[Holding]:
         return self.store.holdings()
 
+    def snapshot(self, step: int, stages: int) -> list[StageState]:
+        """Every stage's copy after ``step``, in stage order (the snapshot must be complete)."""
+        return [self.store.state(step, stage) for stage in range(stages)]
+
     def latest_complete(self) -> Path | None:
         complete = sorted(p.parent for p in self.folder.glob("step_*/complete.json"))
         return complete[-1] if complete else None

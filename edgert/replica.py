@@ -76,6 +76,14 @@ class CopyStore:
             raise EdgertError(f"no copy after step {step} of {', '.join(missing[:5])} here")
         return StageState(parameters=found, optimizer=optimizer, step=step)
 
+    def state(self, step: int, stage: int) -> StageState:
+        """The copy of ``stage`` after ``step``."""
+        with self._lock:
+            found = self._copies.get((step, stage))
+        if found is None:
+            raise EdgertError(f"no copy of stage {stage} after step {step} here")
+        return found[0]
+
     def holdings(self) -> list[Holding]:
         with self._lock:
             return [Holding(step, stage, origin, tuple(state.parameters), state.bytes)

@@ -439,10 +439,12 @@ class Worker(StateResources, MeasureResources):
         self._last_report = time.monotonic()
 
     def _replicate(self, report: StepReport) -> None:
-        """Every ``replicate_every`` steps: keep a snapshot, send it to the next workers (and the coordinator)."""
+        """Every ``replicate_every`` steps: keep a snapshot, send it to the next workers (and the coordinator,
+        every ``central_every`` steps and after the segment's ``checkpoint_steps``)."""
         every, central = self.assignment.replicate_every, self.assignment.central_every
         to_peers = every and (report.step + 1) % every == 0
-        to_coordinator = central and (report.step + 1) % central == 0
+        to_coordinator = (central and (report.step + 1) % central == 0) or any(
+            report.step in segment.checkpoint_steps for segment in tuple(self._segments))
         if not (to_peers or to_coordinator):
             return
         started, cpu = time.perf_counter(), time.thread_time()

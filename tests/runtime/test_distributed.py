@@ -103,10 +103,23 @@ def test_training_run_records_metrics_trace_and_merges(cluster, plans, tmp_path)
     assert chained_accuracy == pytest.approx(summary.test_accuracy)
 
 
-def test_async_schedule_trains(cluster, plans, tmp_path):
-    summary = run(plans[3], cluster.urls, tmp_path / "async", epochs=3, schedule="async")
+def test_async_schedule_trains_through_epoch_ends_without_draining(cluster, plans, tmp_path):
+    out = tmp_path / "async"
+    summary = run(plans[3], cluster.urls, out, epochs=3, schedule="async")
     assert summary.test_accuracy >= 0.9
-    assert summary.steps == 3 * (len(load_dataset("digits-image").x_train) // 64)
+    per_epoch = len(load_dataset("digits-image").x_train) // 64
+    assert summary.steps == 3 * per_epoch
+    # The first two epochs are evaluated from the copies the stages sent after their last
+    # step, while the pipeline went on; the last one after the run drained.
+    evals = [m for m in read_metrics(out) if m["type"] == "eval"]
+    assert [(m["epoch"], m["step"], m["source"]) for m in evals] == [
+        (0, per_epoch - 1, "snapshot"), (1, 2 * per_epoch - 1, "snapshot"), (2, 3 * per_epoch - 1, "drained")]
+    snapshot = out / "snapshots" / f"step_{2 * per_epoch - 1:08d}"
+    states = [load_state(snapshot / f"stage{k}.cbor") for k in range(3)]
+    assert all(state.step == 2 * per_epoch - 1 for state in states)
+    data = load_dataset("digits-image")
+    loss, accuracy = Evaluator(plans[3], load_manifest(plans[3])).evaluate(states, data.x_test, data.y_test)
+    assert (loss, accuracy) == pytest.approx((evals[1]["test_loss"], evals[1]["test_accuracy"]), rel=1e-9)
 
 
 def test_worker_refuses_a_stage_whose_file_fails_its_hash(cluster, plans):
