@@ -15,6 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
+from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME
 from edgert.weights import StageState, save_state
 
@@ -38,7 +39,11 @@ class EvaluationMixin:
         epoch = self._checkpoint_epochs.pop(step, None)
         if epoch is None:
             return
-        states = self.central.snapshot(step, len(self.manifest.stages))
+        try:
+            states = self.central.snapshot(step, len(self.manifest.stages))
+        except (EdgertError, OSError) as error:
+            self.log.event("eval_skipped", step=step, epoch=epoch, reason=f"the snapshot is unreadable: {error}")
+            return
         self._evaluations.append(asyncio.ensure_future(self._evaluate_states(states, epoch, step, "snapshot")))
 
     async def _settle_evaluations(self, through_step: int | None = None, drop_later: bool = False) -> None:

@@ -173,8 +173,12 @@ class CentralCopies:
         return self.store.holdings()
 
     def snapshot(self, step: int, stages: int) -> list[StageState]:
-        """Every stage's copy after ``step``, in stage order (the snapshot must be complete)."""
-        return [self.store.state(step, stage) for stage in range(stages)]
+        """Every stage's copy after ``step``, in stage order (the snapshot must be complete):
+        from memory, or from disk when newer copies have already taken their place there."""
+        try:
+            return [self.store.state(step, stage) for stage in range(stages)]
+        except EdgertError:
+            return [load_state(self.folder / f"step_{step:08d}" / f"stage{stage}.cbor") for stage in range(stages)]
 
     def latest_complete(self) -> Path | None:
         complete = sorted(p.parent for p in self.folder.glob("step_*/complete.json"))
