@@ -42,7 +42,7 @@ class EvaluationMixin:
         try:
             states = self.central.snapshot(step, len(self.manifest.stages))
         except (EdgertError, OSError) as error:
-            self.log.event("eval_skipped", step=step, epoch=epoch, reason=f"the snapshot is unreadable: {error}")
+            self._skip_evaluation(step, epoch, f"the snapshot is unreadable: {error}")
             return
         self._evaluations.append(asyncio.ensure_future(self._evaluate_states(states, epoch, step, "snapshot")))
 
@@ -60,8 +60,8 @@ class EvaluationMixin:
         while any(s in self._checkpoint_epochs for s in due) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         for step in [s for s in due if s in self._checkpoint_epochs]:
-            self.log.event("eval_skipped", step=step, epoch=self._checkpoint_epochs.pop(step),
-                           reason="not every stage's copy after that step arrived")
+            self._skip_evaluation(step, self._checkpoint_epochs.pop(step),
+                                  "not every stage's copy after that step arrived")
         pending, self._evaluations = self._evaluations, []
         await asyncio.gather(*pending)
 
@@ -70,8 +70,12 @@ class EvaluationMixin:
         skipped; later ones run again, in a segment that expects their copies anew."""
         for step, epoch in sorted(self._checkpoint_epochs.items()):
             if step < resume:
-                self.log.event("eval_skipped", step=step, epoch=epoch, reason=reason)
+                self._skip_evaluation(step, epoch, reason)
         self._checkpoint_epochs.clear()
+
+    def _skip_evaluation(self, step: int, epoch: int, reason: str) -> None:
+        """The epoch ending at ``step`` goes unevaluated: say why (an ``eval_skipped`` event)."""
+        self.log.event("eval_skipped", step=step, epoch=epoch, reason=reason)
 
     async def _evaluate(self, epoch: int, step: int) -> tuple[float | None, float | None]:
         """Evaluate the stages' current states (the pipeline has drained after ``step``)."""
