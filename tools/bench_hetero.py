@@ -151,13 +151,14 @@ def _spread(args, model: Path, source, analysis, scratch: Path, common: dict) ->
         cuts, order, predicted = planned_cuts(model, scratch, scratch / "devices.json", names, args.batch_size,
                                               args.micro_batches, args.schedule, args.memory_mode)
         write_plan(source, analysis, cuts, scratch / "planned", TrainingConfig())
+        equal_cuts = balanced_cuts(analysis, 4)
         alones = [alone("0")]
         planned_rates = []
         for k in range(args.rounds):
             _, records = run(scratch / "planned", [by_name[n] for n in order], scratch / f"run-planned-{k}", **common)
             planned_rates.append(steady_rate(records, skip=5))
             if k == 0:
-                equal_rate = _equal(source, analysis, scratch, cluster.urls, common)
+                equal_rate = _equal(source, analysis, equal_cuts, scratch, cluster.urls, common)
             alones.append(alone(str(k + 1)))
             _progress(args, f"round {k + 1}/{args.rounds}: planned {planned_rates[-1]:.0f} samples/s, "
                             f"x1 alone {alones[-2]:.0f} / {alones[-1]:.0f}")
@@ -170,7 +171,7 @@ def _spread(args, model: Path, source, analysis, scratch: Path, common: dict) ->
     rows.append({"run": "planned", "devices": order, "cuts": cuts, "samples_per_s": round(planned, 1),
                  "predicted_step_ms": round(predicted, 2),
                  "rounds_samples_per_s": [round(r, 1) for r in planned_rates]})
-    rows.append({"run": "equal", "devices": names, "cuts": balanced_cuts(analysis, 4),
+    rows.append({"run": "equal", "devices": names, "cuts": equal_cuts,
                  "samples_per_s": round(equal_rate, 1)})
     rows.append({"run": "x1 alone (whole model), between the rounds", "samples_per_s": [round(a, 1) for a in alones],
                  "ideal_sum_of_speeds": round(ideals[middle], 1),
@@ -179,9 +180,9 @@ def _spread(args, model: Path, source, analysis, scratch: Path, common: dict) ->
                                      "planned_vs_ideal": round(ratios[middle], 3)}}
 
 
-def _equal(source, analysis, scratch: Path, urls: list[str], common: dict) -> float:
-    """Equal-work cuts in device order, the baseline the planner must beat 3x."""
-    write_plan(source, analysis, balanced_cuts(analysis, 4), scratch / "equal", TrainingConfig())
+def _equal(source, analysis, cuts: list[int], scratch: Path, urls: list[str], common: dict) -> float:
+    """Samples/s of equal-work cuts in device order, the baseline the planner must beat 3x."""
+    write_plan(source, analysis, cuts, scratch / "equal", TrainingConfig())
     _, records = run(scratch / "equal", urls, scratch / "run-equal", **{**common, "steps": 15})
     return steady_rate(records, skip=3)
 
