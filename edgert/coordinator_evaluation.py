@@ -28,7 +28,8 @@ class EvaluationMixin:
     def _init_evaluation(self) -> None:
         self._checkpoint_epochs: dict[int, int] = {}  # step -> epoch, awaiting every stage's copy
         self._evaluations: list[asyncio.Task] = []
-        self._evaluation_lock: asyncio.Lock | None = None
+        self._evaluation_lock = asyncio.Lock()  # one evaluator, one checkpoint folder
+        self._checkpoint_arrived = asyncio.Event()  # set whenever an awaited epoch end's copies are all in
 
     def _expect_checkpoints(self, epochs_by_step: dict[int, int]) -> None:
         """Evaluate after these steps (epoch ends inside a segment) once every stage's copy is in."""
@@ -39,6 +40,7 @@ class EvaluationMixin:
         epoch = self._checkpoint_epochs.pop(step, None)
         if epoch is None:
             return
+        self._checkpoint_arrived.set()
         try:
             states = self.central.snapshot(step, len(self.manifest.stages))
         except (EdgertError, OSError) as error:
@@ -56,9 +58,13 @@ class EvaluationMixin:
         if drop_later and through_step is not None:
             self._checkpoint_epochs = {s: e for s, e in self._checkpoint_epochs.items() if s <= through_step}
         due = [s for s in self._checkpoint_epochs if through_step is None or s <= through_step]
-        deadline = asyncio.get_running_loop().time() + SNAPSHOT_WAIT_S
-        while any(s in self._checkpoint_epochs for s in due) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        try:
+            async with asyncio.timeout(SNAPSHOT_WAIT_S):
+                while any(s in self._checkpoint_epochs for s in due):
+                    self._checkpoint_arrived.clear()
+                    await self._checkpoint_arrived.wait()
+        except TimeoutError:
+            pass  # the copies still missing are skipped below
         for step in [s for s in due if s in self._checkpoint_epochs]:
             self._skip_evaluation(step, self._checkpoint_epochs.pop(step),
                                   "not every stage's copy after that step arrived")
@@ -85,9 +91,7 @@ class EvaluationMixin:
     async def _evaluate_states(self, states: list[StageState], epoch: int, step: int,
                                source: str) -> tuple[float | None, float | None]:
         """Save ``states`` as the latest checkpoint, evaluate them on the test set, log the result."""
-        if self._evaluation_lock is None:
-            self._evaluation_lock = asyncio.Lock()
-        async with self._evaluation_lock:  # one evaluator, one checkpoint folder
+        async with self._evaluation_lock:
             folder = self.config.out_dir / "checkpoints" / "latest"
             for stale in folder.glob("stage*.cbor"):
                 stale.unlink()

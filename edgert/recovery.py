@@ -149,7 +149,7 @@ class CentralCopies:
     def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "") -> bool:
         """Keep a stage's copy; True when the step's snapshot became complete (every stage here)."""
         self.store.put(state, origin)
-        step_dir = self.folder / f"step_{state.step:08d}"
+        step_dir = self._step_dir(state.step)
         save_state(state, step_dir / f"stage{state.stage}.cbor")
         have = len(list(step_dir.glob("stage*.cbor")))
         if have < stages:
@@ -178,7 +178,11 @@ class CentralCopies:
         try:
             return [self.store.state(step, stage) for stage in range(stages)]
         except EdgertError:
-            return [load_state(self.folder / f"step_{step:08d}" / f"stage{stage}.cbor") for stage in range(stages)]
+            return [load_state(self._step_dir(step) / f"stage{stage}.cbor") for stage in range(stages)]
+
+    def _step_dir(self, step: int) -> Path:
+        """Where the copies after ``step`` are kept on disk."""
+        return self.folder / f"step_{step:08d}"
 
     def latest_complete(self) -> Path | None:
         complete = sorted(p.parent for p in self.folder.glob("step_*/complete.json"))
