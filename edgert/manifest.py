@@ -19,14 +19,15 @@ import numpy as np
 from edgert.errors import ManifestError
 
 FORMAT = "edgert-plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 BATCH = "N"
 
 ARTIFACT_ROLES = ("training", "backward", "forward_stash", "backward_stash", "eval", "infer", "optimizer",
-                  "checkpoint")
-# What a worker needs to train its stage (the rest serve ORT's own API and the host).
-RUNTIME_ROLES = ("backward", "eval", "infer", "checkpoint")
+                  "checkpoint", "parameters")
+# What a worker needs to train its stage, all runnable by stock onnxruntime (the rest serve ORT's
+# own training API and the host, and need the training build).
+RUNTIME_ROLES = ("backward", "eval", "infer", "parameters")
 # ... and with activation stashing (a stage that is not the last).
 STASH_ROLES = ("forward_stash", "backward_stash")
 MEMORY_MODES = ("recompute", "stash")
@@ -222,6 +223,9 @@ def _check_format(data: Any) -> None:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ManifestError(f"not an edgert plan manifest (expected format {FORMAT!r})")
     version = data.get("format_version")
+    if version == 1:
+        raise ManifestError("this plan was exported by an older edgert (format version 1: its gradient graphs "
+                            "need the training build); export it again with edgert export")
     if version != FORMAT_VERSION:
         raise ManifestError(
             f"manifest format version {version!r} is not supported (this edgert reads {FORMAT_VERSION})"

@@ -22,7 +22,7 @@ import numpy as np
 from edgert.errors import StageError
 from edgert.manifest import BATCH, MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig
 from edgert.optimizer import FlatParameters, Optimizer, StateDict, make_optimizer
-from edgert.ort_training import training_api
+from edgert.weights import load_state
 
 LOSS_SCALE_INPUT = "loss_scale"
 SCALED_LOSS_OUTPUT = "scaled_loss"
@@ -74,7 +74,7 @@ class StageSession:
         self._plan_dir = plan_dir
         self._trainable = [p.name for p in entry.parameters if p.trainable]
         self._buffers = [p.name for p in entry.parameters if not p.trainable]
-        initial = self._load_checkpoint(plan_dir / entry.artifact("checkpoint").path)
+        initial = self._load_parameters(plan_dir / entry.artifact("parameters").path)
         self._flat = FlatParameters({n: initial[n] for n in self._trainable})
         self._values = {**self._flat.views, **{n: initial[n] for n in self._buffers}}
         self._gradient = self._flat.zeros()
@@ -92,13 +92,13 @@ class StageSession:
         # Guards parameters and optimizer state: the optimizer writes them, /weights reads them.
         self.lock = threading.RLock()
 
-    def _load_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
-        state = training_api().CheckpointState.load_checkpoint(str(path))
+    def _load_parameters(self, path: Path) -> dict[str, np.ndarray]:
+        state = load_state(path)
         values = {}
         for name in self._trainable + self._buffers:
             if name not in state.parameters:
-                raise StageError(f"stage {self.entry.index}: checkpoint {path.name} lacks {name!r}")
-            values[name] = np.array(state.parameters[name].data, dtype=np.float32, copy=True, order="C")
+                raise StageError(f"stage {self.entry.index}: {path.name} lacks parameter {name!r}")
+            values[name] = np.array(state.parameters[name], dtype=np.float32, copy=True, order="C")
         return values
 
     # -- running ---------------------------------------------------------------------------

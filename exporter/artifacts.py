@@ -1,14 +1,16 @@
 """Turning a stage's forward graph into ORT Training artifacts (DESIGN.md, stage semantics).
 
 Per stage, in ``stage<k>/``:
-- ``training.onnx``  forward + loss + backward in ORT's Module format: parameter gradients
-  accumulate in ORT's buffers; ``d(loss)/d(input)`` is exposed as ``<input>__dinput`` (the
-  Module API hides outputs ending in ``_grad``); BatchNorm running statistics come out as
-  extra outputs. For ORT's own on-device training API and for ``edgert check``;
-- ``backward.onnx``  the same graph without the accumulation buffers: it returns the
-  parameter gradients (``<param>_grad``). The worker runs it in a plain InferenceSession,
-  which releases the GIL while it computes (ORT's Module holds it), so a worker keeps
-  answering its peers during a long backward;
+- ``training.onnx``  forward + loss + backward in ORT's Module format, as the training build
+  writes it: parameter gradients accumulate in ORT's buffers; ``d(loss)/d(input)`` is exposed
+  as ``<input>__dinput`` (the Module API hides outputs ending in ``_grad``); BatchNorm running
+  statistics come out as extra outputs. For ORT's own on-device training API (training
+  build only) and as ``edgert check``'s reference for the portable graphs;
+- ``backward.onnx``  the same graph without the accumulation buffers, made portable
+  (exporter.portable: standard operators only, so stock onnxruntime runs it on any board):
+  it returns the parameter gradients (``<param>_grad``). The worker runs it in a plain
+  InferenceSession, which releases the GIL while it computes, so a worker keeps answering
+  its peers during a long backward;
 - ``forward_stash.onnx``, ``backward_stash.onnx`` (not on the last stage): the same graph
   split for activation stashing (exporter.stash): the forward also returns the tensors the
   backward needs, which then recomputes nothing;
@@ -17,7 +19,9 @@ Per stage, in ``stage<k>/``:
 - ``infer.onnx``     the forward in inference form (running statistics), parameters as
   inputs, for evaluation and merging;
 - ``optimizer.onnx`` ORT's optimizer graph (AdamW, or plain SGD);
-- ``checkpoint.ckpt`` the initial parameters and running statistics.
+- ``parameters.cbor`` the initial parameters and running statistics, in edgert's own state
+  format (edgert.weights), which the worker reads without the training build;
+- ``checkpoint.ckpt`` the same, as an ORT checkpoint, for ``training.onnx`` and ORT's own API.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from edgert.exporter.errors import ExportError, GradientError
 from edgert.exporter.loss import (
@@ -37,14 +41,16 @@ from edgert.exporter.loss import (
     add_real_loss,
     add_vjp_loss,
 )
+from edgert.exporter.portable import make_portable
 from edgert.exporter.slice import StageGraph, value_info_of
 from edgert.exporter.stash import split_for_stashing
 from edgert.manifest import BoundaryTensor, TrainingConfig
 from edgert.ort_training import gradient_builder, onnxblock, training_graph_utils
+from edgert.weights import StageState, save_state
 
 INPUT_GRADIENT_SUFFIX = "__dinput"
 TRAINING, BACKWARD, EVAL, INFER = "training", "backward", "eval", "infer"
-OPTIMIZER, CHECKPOINT = "optimizer", "checkpoint"
+OPTIMIZER, CHECKPOINT, PARAMETERS = "optimizer", "checkpoint", "parameters"
 FORWARD_STASH, BACKWARD_STASH = "forward_stash", "backward_stash"
 FILE_NAMES = {
     TRAINING: "training.onnx",
@@ -55,6 +61,7 @@ FILE_NAMES = {
     INFER: "infer.onnx",
     OPTIMIZER: "optimizer.onnx",
     CHECKPOINT: "checkpoint.ckpt",
+    PARAMETERS: "parameters.cbor",
 }
 
 
@@ -95,12 +102,13 @@ def build_stage_artifacts(
     user_outputs = [SCALED_LOSS_OUTPUT] + ([LOSS_OUTPUT, stage.outputs[0].name] if stage.is_last else [])
     user_outputs += list(stage.buffer_updates)
     input_gradients = _arrange_outputs(gradient_model, user_outputs, stage, requires_grad)
-    _save(gradient_model, files[BACKWARD])
+    portable = make_portable(gradient_model, f"stage {stage.index} backward")
+    _save(portable, files[BACKWARD])
     saved: tuple[str, ...] = ()
     if stage.is_last:
         del files[FORWARD_STASH], files[BACKWARD_STASH]
     else:
-        halves = split_for_stashing(gradient_model, set(output_gradients.values()),
+        halves = split_for_stashing(portable, set(output_gradients.values()),
                                     [t.name for t in stage.outputs] + list(stage.buffer_updates))
         _save(halves.forward, files[FORWARD_STASH])
         _save(halves.backward, files[BACKWARD_STASH])
@@ -117,6 +125,8 @@ def build_stage_artifacts(
         del files[OPTIMIZER]
         notes.append("ORT's SGD has no momentum or weight decay: no optimizer.onnx written (the runtime's is used)")
     onnxblock().save_checkpoint((trainable_inits, buffer_inits), str(files[CHECKPOINT]))
+    initial = {init.name: numpy_helper.to_array(init) for init in (*trainable_inits, *buffer_inits)}
+    save_state(StageState(parameters=initial, stage=stage.index), files[PARAMETERS])
     return StageArtifacts(stage.index, files, input_gradients, output_gradients, labels, notes, saved)
 
 

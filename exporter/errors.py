@@ -21,3 +21,7 @@ class SliceError(ExportError):
 
 class GradientError(ExportError):
     """ORT's gradient builder cannot differentiate the stage (an op without a gradient)."""
+
+
+class PortabilityError(ExportError):
+    """A stage graph needs an operator that stock onnxruntime lacks and that edgert cannot rewrite."""

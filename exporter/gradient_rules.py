@@ -1,0 +1,607 @@
+"""Standard-operator forms of the operators ORT's gradient builder emits (docs/EXPORTER.md).
+
+The training build differentiates a stage into operators that only it implements
+(``ReluGrad``, ``ConvGrad``, ``BatchNormInternal``...). A board runs stock onnxruntime, so
+each such node is replaced by standard ONNX operators computing the same tensors: one rule
+per operator, keyed by ``(domain, op_type)`` in :data:`RULES`. A rule writes the node's
+outputs under their original names, so the rest of the graph is untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from edgert.exporter.errors import PortabilityError
+from edgert.exporter.graph_writer import GraphWriter, TensorType
+
+MS = "com.microsoft"
+
+
+@dataclass
+class RuleContext:
+    """One node to replace, the writer for its replacement, and what is known of the graph."""
+
+    node: onnx.NodeProto
+    writer: GraphWriter
+    types: Mapping[str, TensorType]
+    producers: Mapping[str, onnx.NodeProto]
+
+    def input(self, index: int) -> str | None:
+        node = self.node
+        return node.input[index] if index < len(node.input) and node.input[index] else None
+
+    def output(self, index: int) -> str | None:
+        node = self.node
+        return node.output[index] if index < len(node.output) and node.output[index] else None
+
+    def attr(self, name: str, default=None):
+        for attribute in self.node.attribute:
+            if attribute.name == name:
+                value = helper.get_attribute_value(attribute)
+                return value.decode() if isinstance(value, bytes) else value
+        return default
+
+    def type_of(self, name: str) -> TensorType:
+        """The type of ``name``; a gradient ``<x>_grad`` (or ``<x>_grad_<k>``) has the type of ``<x>``."""
+        found = self.types.get(name)
+        if (found is None or found.shape is None) and "_grad" in name:
+            found = self.types.get(name[:name.rindex("_grad")])
+        if found is None or found.shape is None:
+            raise self.refuse(f"the type of {name!r} is unknown")
+        return found
+
+    def static(self, name: str, start: int = 0, what: str = "dims") -> tuple[int, ...]:
+        """The dims of ``name`` from ``start`` on; they must be known integers."""
+        dims = self.type_of(name).static_dims(start)
+        if dims is None:
+            raise self.refuse(f"{what} of {name!r} must be fixed (got {list(self.type_of(name).shape)})")
+        return dims
+
+    def refuse(self, reason: str) -> PortabilityError:
+        node = self.node
+        return PortabilityError(f"cannot rewrite {node.domain + '.' if node.domain else ''}{node.op_type} "
+                                f"(node {node.name!r}) for stock onnxruntime: {reason}")
+
+    def zero_like(self, name: str) -> str:
+        return self.writer.const(0, self.type_of(name).numpy_dtype, hint="zero")
+
+    def scalar_like(self, value: float, name: str) -> str:
+        return self.writer.const(value, self.type_of(name).numpy_dtype, hint="scalar")
+
+
+Rule = Callable[[RuleContext], None]
+RULES: dict[tuple[str, str], Rule] = {}
+
+
+def rule(*op_types: str, domain: str = MS) -> Callable[[Rule], Rule]:
+    def register(function: Rule) -> Rule:
+        for op_type in op_types:
+            RULES[(domain, op_type)] = function
+        return function
+    return register
+
+
+# -- activations -------------------------------------------------------------------------------
+
+
+@rule("ReluGrad")
+def relu_grad(c: RuleContext) -> None:
+    w, dy, y = c.writer, c.input(0), c.input(1)
+    w.op("Where", [w.op("Greater", [y, c.zero_like(y)]), dy, c.zero_like(dy)], outputs=[c.output(0)])
+
+
+@rule("LeakyReluGrad")
+def leaky_relu_grad(c: RuleContext) -> None:
+    w, dy, y = c.writer, c.input(0), c.input(1)
+    scaled = w.op("Mul", [dy, c.scalar_like(c.attr("alpha", 0.01), dy)])
+    w.op("Where", [w.op("Greater", [y, c.zero_like(y)]), dy, scaled], outputs=[c.output(0)])
+
+
+@rule("SigmoidGrad")
+def sigmoid_grad(c: RuleContext) -> None:
+    w, dy, y = c.writer, c.input(0), c.input(1)
+    slope = w.op("Mul", [y, w.op("Sub", [c.scalar_like(1.0, y), y])])
+    w.op("Mul", [dy, slope], outputs=[c.output(0)])
+
+
+@rule("TanhGrad")
+def tanh_grad(c: RuleContext) -> None:
+    w, dy, y = c.writer, c.input(0), c.input(1)
+    slope = w.op("Sub", [c.scalar_like(1.0, y), w.op("Mul", [y, y])])
+    w.op("Mul", [dy, slope], outputs=[c.output(0)])
+
+
+def _gelu_slope(c: RuleContext, x: str) -> str:
+    """d gelu(x) / dx = Phi(x) + x phi(x), with the exact (erf) GELU."""
+    w = c.writer
+    cdf = w.op("Mul", [c.scalar_like(0.5, x), w.op("Add", [c.scalar_like(1.0, x), w.op(
+        "Erf", [w.op("Mul", [x, c.scalar_like(1 / math.sqrt(2), x)])])])])
+    pdf = w.op("Mul", [c.scalar_like(1 / math.sqrt(2 * math.pi), x), w.op(
+        "Exp", [w.op("Mul", [w.op("Mul", [x, x]), c.scalar_like(-0.5, x)])])])
+    return w.op("Add", [cdf, w.op("Mul", [x, pdf])])
+
+
+def _fast_gelu_slope(c: RuleContext, x: str) -> str:
+    """The slope of the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    w = c.writer
+    k, a = math.sqrt(2 / math.pi), 0.044715
+    square = w.op("Mul", [x, x])
+    inner = w.op("Mul", [c.scalar_like(k, x), w.op("Mul", [x, w.op("Add", [c.scalar_like(1.0, x), w.op(
+        "Mul", [c.scalar_like(a, x), square])])])])
+    t = w.op("Tanh", [inner])
+    left = w.op("Mul", [c.scalar_like(0.5, x), w.op("Add", [c.scalar_like(1.0, x), t])])
+    sech2 = w.op("Sub", [c.scalar_like(1.0, x), w.op("Mul", [t, t])])
+    d_inner = w.op("Mul", [c.scalar_like(k, x), w.op("Add", [c.scalar_like(1.0, x), w.op(
+        "Mul", [c.scalar_like(3 * a, x), square])])])
+    right = w.op("Mul", [w.op("Mul", [c.scalar_like(0.5, x), x]), w.op("Mul", [sech2, d_inner])])
+    return w.op("Add", [left, right])
+
+
+def _biased(c: RuleContext) -> str:
+    x, bias = c.input(1), c.input(2)
+    return c.writer.op("Add", [x, bias]) if bias else x
+
+
+@rule("GeluGrad", "BiasGeluGrad_dX")
+def gelu_grad(c: RuleContext) -> None:
+    c.writer.op("Mul", [c.input(0), _gelu_slope(c, _biased(c))], outputs=[c.output(0)])
+
+
+@rule("FastGeluGrad", "BiasFastGeluGrad_dX")
+def fast_gelu_grad(c: RuleContext) -> None:
+    c.writer.op("Mul", [c.input(0), _fast_gelu_slope(c, _biased(c))], outputs=[c.output(0)])
+
+
+def _softmax_axes(c: RuleContext, y: str, flattening: bool) -> list[int]:
+    rank = c.type_of(y).rank
+    axis = c.attr("axis", 1 if flattening else -1)
+    axis = axis + rank if axis < 0 else axis
+    # Before opset 13, (Log)Softmax coerced the input to 2-D at `axis`: it normalises over every later axis.
+    return list(range(axis, rank)) if flattening else [axis]
+
+
+@rule("SoftmaxGrad_13", "SoftmaxGrad")
+def softmax_grad(c: RuleContext) -> None:
+    w, dy, y = c.writer, c.input(0), c.input(1)
+    axes = _softmax_axes(c, y, c.node.op_type == "SoftmaxGrad")
+    weighted = w.op("Mul", [dy, y])
+    total = w.reduce("ReduceSum", weighted, axes)
+    w.op("Sub", [weighted, w.op("Mul", [y, total])], outputs=[c.output(0)])
+
+
+@rule("LogSoftmaxGrad_13", "LogSoftmaxGrad")
+def log_softmax_grad(c: RuleContext) -> None:
+    w, dy, y = c.writer, c.input(0), c.input(1)
+    axes = _softmax_axes(c, y, c.node.op_type == "LogSoftmaxGrad")
+    total = w.reduce("ReduceSum", dy, axes)
+    w.op("Sub", [dy, w.op("Mul", [w.op("Exp", [y]), total])], outputs=[c.output(0)])
+
+
+# -- losses and scaling ------------------------------------------------------------------------
+
+
+@rule("SoftmaxCrossEntropyLossGrad")
+def softmax_cross_entropy_grad(c: RuleContext) -> None:
+    """(softmax - one_hot(label)) * weight[label] * dY, over the weights' sum for ``mean``."""
+    w = c.writer
+    dy, log_prob, label, weight, bias = (c.input(i) for i in range(5))
+    reduction = c.attr("reduction", "mean")
+    ignore = c.attr("ignore_index")
+    label = w.cast_like(label, TensorProto.INT64)
+    per_sample: str | None = None  # a weight per sample, shaped like the labels
+    if ignore is not None:
+        kept = w.op("Not", [w.op("Equal", [label, w.const(ignore)])])
+        label = w.op("Where", [kept, label, w.const(0)])
+        per_sample = w.cast_like(kept, c.type_of(log_prob).elem_type)
+    if weight:
+        gathered = w.op("Gather", [weight, label], axis=0)
+        per_sample = w.op("Mul", [gathered, per_sample]) if per_sample else gathered
+    depth = w.op("Gather", [w.op("Shape", [log_prob]), w.const(1)], axis=0)
+    one_hot = w.op("OneHot", [label, depth, w.const([0.0, 1.0], c.type_of(log_prob).numpy_dtype)], axis=1)
+    difference = w.op("Sub", [w.op("Exp", [log_prob]), one_hot])
+    factor = dy
+    if reduction == "mean":
+        if per_sample:
+            count = w.reduce("ReduceSum", per_sample, None, keepdims=False)
+        else:
+            count = w.cast_like(w.op("Size", [label]), c.type_of(log_prob).elem_type)
+        factor = w.op("Div", [dy, count])
+    elif reduction not in ("sum", "none"):
+        raise c.refuse(f"unknown reduction {reduction!r}")
+    if per_sample:
+        factor = w.op("Mul", [per_sample, factor])
+    if per_sample or reduction == "none":
+        factor = w.unsqueeze(factor, [1])
+    result = w.op("Mul", [difference, factor])
+    if bias:
+        result = w.op("Add", [result, bias])
+    w.identity(result, c.output(0))
+
+
+@rule("Scale")
+def scale(c: RuleContext) -> None:
+    w, x, factor = c.writer, c.input(0), c.input(1)
+    if c.type_of(factor).elem_type != c.type_of(x).elem_type:
+        factor = w.cast_like(factor, c.type_of(x).elem_type)
+    w.op("Div" if c.attr("scale_down", 0) else "Mul", [x, factor], outputs=[c.output(0)])
+
+
+# -- indexing ----------------------------------------------------------------------------------
+
+
+def _scatter_add_rows(c: RuleContext, shape: str, indices: str, updates: str, elem_type: int) -> str:
+    """zeros(shape) with ``updates`` added at rows ``indices`` of axis 0 (repeats add up)."""
+    w = c.writer
+    _needs_reduction_ops(c)
+    zeros = w.op("ConstantOfShape", [shape], value=helper.make_tensor("zero", elem_type, [1], [0]))
+    rows = w.op("Gather", [shape, w.const(0)], axis=0)
+    wrapped = w.op("Mod", [w.op("Add", [indices, rows]), rows])  # negative indices count from the end
+    return w.op("ScatterND", [zeros, w.unsqueeze(wrapped, [-1]), updates], reduction="add")
+
+
+def _needs_reduction_ops(c: RuleContext) -> None:
+    if c.writer.opset < 16:
+        raise c.refuse(f"its portable form adds repeated indices with ScatterND/ScatterElements(reduction='add'), "
+                       f"which need ai.onnx opset >= 16 (the model has {c.writer.opset}); re-export it at opset 17")
+
+
+@rule("GatherGrad")
+def gather_grad(c: RuleContext) -> None:
+    w = c.writer
+    shape, indices, dy = c.input(0), c.input(1), c.input(2)
+    q, elem_type = c.type_of(indices).rank, c.type_of(dy).elem_type
+    indices = w.cast_like(indices, TensorProto.INT64)
+    axis = c.attr("axis", 0)
+    rank = c.static(shape, what="the length")[0]
+    axis = axis + rank if axis < 0 else axis
+    if axis == 0:
+        w.identity(_scatter_add_rows(c, shape, indices, dy, elem_type), c.output(0))
+        return
+    # Move the gathered axis first, scatter rows, move it back.
+    dy_perm = [*range(axis, axis + q), *range(axis), *range(axis + q, rank - 1 + q)]
+    data_perm = [axis, *range(axis), *range(axis + 1, rank)]
+    moved_shape = w.op("Gather", [shape, w.ints(data_perm)], axis=0)
+    moved = _scatter_add_rows(c, moved_shape, indices, w.op("Transpose", [dy], perm=dy_perm), elem_type)
+    w.op("Transpose", [moved], outputs=[c.output(0)], perm=list(np.argsort(data_perm)))
+
+
+@rule("MaxPoolGrad", domain="")
+def max_pool_grad(c: RuleContext) -> None:
+    """Scatter-add dY into the input's (flattened) positions that MaxPool's Indices output names."""
+    w = c.writer
+    dy, indices = c.input(0), c.input(1)
+    if c.attr("storage_order", 0) != 0:
+        raise c.refuse("column-major Indices (storage_order=1) are not supported")
+    producer = c.producers.get(indices)
+    if producer is None or producer.op_type != "MaxPool":
+        raise c.refuse(f"its Indices {indices!r} do not come from a MaxPool node")
+    x = producer.input[0]
+    _needs_reduction_ops(c)
+    flat_size = w.reshape(w.op("Size", [x]), [1])
+    zeros = w.op("ConstantOfShape", [flat_size], value=helper.make_tensor("zero", c.type_of(dy).elem_type, [1], [0]))
+    flat = w.op("ScatterElements", [zeros, w.reshape(indices, [-1]), w.reshape(dy, [-1])], axis=0, reduction="add")
+    w.reshape(flat, w.op("Shape", [x]), output=c.output(0))
+
+
+@rule("ConcatTraining")
+def concat_training(c: RuleContext) -> None:
+    w = c.writer
+    inputs = [name for name in c.node.input if name]
+    rank = c.type_of(inputs[0]).rank
+    axis = c.attr("axis")
+    axis = axis + rank if axis < 0 else axis
+    w.op("Concat", inputs, outputs=[c.output(0)], axis=axis)
+    if c.output(1):
+        lengths = [w.op("Slice", [w.op("Shape", [x]), w.ints([axis]), w.ints([axis + 1])]) for x in inputs]
+        w.op("Concat", lengths, outputs=[c.output(1)], axis=0)
+
+
+@rule("SplitTraining")
+def split_training(c: RuleContext) -> None:
+    outputs = list(c.node.output)
+    c.writer.op("Split", [c.input(0), c.input(1)], outputs=[o or c.writer.fresh("unused") for o in outputs],
+                axis=c.attr("axis", 0))
+
+
+@rule("SliceGrad")
+def slice_grad(c: RuleContext) -> None:
+    """Write dY back at the positions the Slice read: slice a tensor of flat positions the same way."""
+    w = c.writer
+    dy, shape, starts, ends = (c.input(i) for i in range(4))
+    extra = [name for name in (c.input(4), c.input(5))]
+    size = w.reduce("ReduceProd", shape, [0], keepdims=False)
+    positions = w.reshape(w.op("Range", [w.const(0), size, w.const(1)]), shape)
+    sliced = w.op("Slice", [positions, starts, ends] + [n or "" for n in extra])
+    zeros = w.op("ConstantOfShape", [w.reshape(size, [1])],
+                 value=helper.make_tensor("zero", c.type_of(dy).elem_type, [1], [0]))
+    flat = w.op("ScatterElements", [zeros, w.reshape(sliced, [-1]), w.reshape(dy, [-1])], axis=0)
+    w.reshape(flat, shape, output=c.output(0))
+
+
+@rule("BroadcastGradientArgs")
+def broadcast_gradient_args(c: RuleContext) -> None:
+    """The axes each operand of a broadcasting op was expanded along (its gradient sums over them)."""
+    w = c.writer
+    a, b = c.input(0), c.input(1)
+    ra, rb = c.static(a, what="the length")[0], c.static(b, what="the length")[0]
+    rank = max(ra, rb)
+
+    def full(shape: str, r: int) -> str:
+        return shape if r == rank else w.op("Concat", [w.ints([1] * (rank - r)), shape], axis=0)
+
+    a_full, b_full = full(a, ra), full(b, rb)
+    one = w.const([1])
+    for mine, other, output in ((a_full, b_full, c.output(0)), (b_full, a_full, c.output(1))):
+        if output:
+            expanded = w.op("And", [w.op("Equal", [mine, one]), w.op("Not", [w.op("Equal", [other, one])])])
+            w.reshape(w.op("NonZero", [expanded]), [-1], output=output)
+
+
+# -- normalisation -----------------------------------------------------------------------------
+
+
+def _non_channel_axes(rank: int) -> list[int]:
+    return [0, *range(2, rank)]
+
+
+def _affine(c: RuleContext, x: str, scale: str, bias: str, gamma: str) -> str:
+    """``x * scale + bias`` per channel in one pass: an inference-mode BatchNormalization with mean 0, variance 1.
+
+    ``gamma`` is the BatchNorm's scale: it gives the channel count and the element type.
+    """
+    w = c.writer
+    channels, dtype = c.static(gamma, what="the shape"), c.type_of(gamma).numpy_dtype
+    zeros, ones = w.const(np.zeros(channels), dtype, hint="zeros"), w.const(np.ones(channels), dtype, hint="ones")
+    return w.op("BatchNormalization", [x, scale, bias, zeros, ones], epsilon=0.0)
+
+
+@rule("BatchNormInternal")
+def batch_norm_internal(c: RuleContext) -> None:
+    """Training-mode BatchNorm: batch statistics, the running ones moved by momentum (biased variance).
+
+    Stock BatchNormalization in training mode with momentum 0 returns the batch mean and
+    (biased) variance as its "running" outputs, from one fused pass over the input.
+    """
+    w = c.writer
+    x, gamma, beta, running_mean, running_var = (c.input(i) for i in range(5))
+    eps, momentum = c.attr("epsilon", 1e-5), c.attr("momentum", 0.9)
+    if w.opset < 14:
+        raise c.refuse(f"needs ai.onnx opset >= 14 (training-mode BatchNormalization; the model has {w.opset})")
+    # With momentum 0 the statistics fed in are only multiplied by 0. ORT's training-mode kernel writes its
+    # statistics over these inputs, so they are computed from x (one value per channel): never constants,
+    # which ORT would fold and share with other nodes.
+    rank = c.type_of(x).rank
+    corner = w.op("Slice", [x, w.ints([0] * rank), w.ints([1, 2**62] + [1] * (rank - 2))])
+    zeros = w.op("Mul", [w.reshape(corner, [-1]), c.zero_like(x)])
+    ones = w.op("Add", [zeros, c.scalar_like(1.0, x)])
+    y, mean, variance = (c.output(0) or w.fresh("y"), w.fresh("batch_mean"), w.fresh("batch_var"))
+    w.op("BatchNormalization", [x, gamma, beta, zeros, ones], outputs=[y, mean, variance],
+         epsilon=eps, momentum=0.0, training_mode=1)
+    keep, take = c.scalar_like(momentum, x), c.scalar_like(1 - momentum, x)
+    for output, running, batch in ((1, running_mean, mean), (2, running_var, variance)):
+        if c.output(output):
+            w.op("Add", [w.op("Mul", [running, keep]), w.op("Mul", [batch, take])], outputs=[c.output(output)])
+    if c.output(3):
+        w.identity(mean, c.output(3))
+    if c.output(4):
+        w.op("Reciprocal", [w.op("Sqrt", [w.op("Add", [variance, c.scalar_like(eps, x)])])], outputs=[c.output(4)])
+
+
+@rule("BatchNormalizationGrad")
+def batch_norm_grad(c: RuleContext) -> None:
+    """dX = gamma inv_std (dY - (dBeta + x_hat dGamma) / m), with m the elements per channel.
+
+    Each per-channel affine map is one fused BatchNormalization pass.
+    """
+    w = c.writer
+    dy, x, gamma, mean, inv_std = (c.input(i) for i in range(5))
+    axes = _non_channel_axes(c.type_of(x).rank)
+    x_hat = _affine(c, x, inv_std, w.op("Neg", [w.op("Mul", [mean, inv_std])]), gamma)
+    d_beta = w.reduce("ReduceSum", dy, axes, keepdims=False)
+    d_gamma = w.reduce("ReduceSum", w.op("Mul", [dy, x_hat]), axes, keepdims=False)
+    if c.output(0):
+        count = w.cast_like(w.op("Div", [w.op("Size", [x]), w.op("Size", [gamma])]), c.type_of(x).elem_type)
+        gain = w.op("Mul", [gamma, inv_std])
+        shrink = w.op("Neg", [w.op("Div", [gain, count])])
+        correction = _affine(c, x_hat, w.op("Mul", [shrink, d_gamma]), w.op("Mul", [shrink, d_beta]), gamma)
+        scaled = w.op("Mul", [dy, w.channel_view(gain, c.type_of(x).rank)])
+        w.op("Add", [scaled, correction], outputs=[c.output(0)])
+    if c.output(1):
+        w.identity(d_gamma, c.output(1))
+    if c.output(2):
+        w.identity(d_beta, c.output(2))
+
+
+@rule("LayerNormalizationGrad")
+def layer_norm_grad(c: RuleContext) -> None:
+    """dX = inv_std (g - mean(g) - x_hat mean(g x_hat)) with g = dY gamma, means over the normalised axes."""
+    w = c.writer
+    dy, x, gamma, mean, inv_std = (c.input(i) for i in range(5))
+    rank = c.type_of(x).rank
+    axis = c.attr("axis", -1)
+    axis = axis + rank if axis < 0 else axis
+    normalised, leading = list(range(axis, rank)), list(range(axis))
+    x_hat = w.op("Mul", [w.op("Sub", [x, mean]), inv_std])
+    if c.output(0):
+        g = w.op("Mul", [dy, gamma])
+        centred = w.op("Sub", [g, w.reduce("ReduceMean", g, normalised)])
+        projection = w.op("Mul", [x_hat, w.reduce("ReduceMean", w.op("Mul", [g, x_hat]), normalised)])
+        w.op("Mul", [w.op("Sub", [centred, projection]), inv_std], outputs=[c.output(0)])
+    for output, value in ((1, lambda: w.op("Mul", [dy, x_hat])), (2, lambda: dy)):
+        if c.output(output):
+            summed = w.reduce("ReduceSum", value(), leading, keepdims=False) if leading else value()
+            w.identity(summed, c.output(output))
+
+
+# -- convolution and pooling -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A sliding window's geometry along the spatial axes of one node."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    begin: tuple[int, ...]
+    end: tuple[int, ...]
+
+    def span(self, axis: int) -> int:
+        return (self.kernel[axis] - 1) * self.dilations[axis] + 1
+
+    def out_size(self, size: int, axis: int, ceil: bool = False) -> int:
+        extent = size + self.begin[axis] + self.end[axis] - self.span(axis)
+        steps = -(-extent // self.strides[axis]) if ceil else extent // self.strides[axis]
+        return steps + 1
+
+    def transposed(self, inputs: tuple[int, ...], outputs: tuple[int, ...]) -> dict:
+        """ConvTranspose attributes mapping ``outputs`` positions back onto exactly ``inputs`` positions."""
+        pads_end, extra = [], []
+        for axis, (size, out) in enumerate(zip(inputs, outputs)):
+            total = (out - 1) * self.strides[axis] + self.span(axis) - self.begin[axis]
+            pads_end.append(max(total - size, 0))
+            extra.append(max(size - total, 0))
+        return {"strides": list(self.strides), "dilations": list(self.dilations),
+                "pads": [*self.begin, *pads_end], "output_padding": extra}
+
+
+def _window(c: RuleContext, spatial: tuple[int, ...], kernel: tuple[int, ...]) -> _Window:
+    d = len(kernel)
+    strides = tuple(c.attr("strides", [1] * d))
+    dilations = tuple(c.attr("dilations", [1] * d))
+    pads = list(c.attr("pads", [0] * 2 * d))
+    auto_pad = c.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * 2 * d
+        for axis in range(d):
+            out = -(-spatial[axis] // strides[axis])
+            total = max((out - 1) * strides[axis] + (kernel[axis] - 1) * dilations[axis] + 1 - spatial[axis], 0)
+            small, large = total // 2, total - total // 2
+            pads[axis], pads[axis + d] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad == "VALID":
+        pads = [0] * 2 * d
+    elif auto_pad != "NOTSET":
+        raise c.refuse(f"auto_pad {auto_pad!r} is not supported")
+    return _Window(kernel, strides, dilations, tuple(pads[:d]), tuple(pads[d:]))
+
+
+def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
+                     out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
+    """dW[m, c, k] = sum over n, p of gradient[n, m, p] * source_padded[n, c, p * stride + k * dilation].
+
+    Per kernel offset k, one strided Slice of the (channels-first) source and one matrix
+    product with the gradient give dW[:, :, k]: the work of ORT's ConvGrad (im2col and
+    GEMM), in standard operators, without materialising the whole im2col matrix.
+    """
+    w = c.writer
+    d = len(window.kernel)
+    spatial_axes = list(range(2, 2 + d))
+    channels_first = [1, 0, *spatial_axes]
+    in_per_group, out_channels = weight_shape[1], weight_shape[0]
+    source_t = w.op("Transpose", [source], perm=channels_first)  # (C, N, spatial...)
+    if any(window.begin) or any(window.end):
+        source_t = w.op("Pad", [source_t, w.ints([0, 0, *window.begin, 0, 0, *window.end])])
+    rows = w.reshape(w.op("Transpose", [gradient], perm=channels_first), [groups, out_channels // groups, -1])
+    if groups > 1:
+        rows = w.op("Transpose", [rows], perm=[0, 2, 1])  # (G, N*P, M/G)
+    pieces = []
+    for offset in itertools.product(*(range(k) for k in window.kernel)):
+        starts = [o * dil for o, dil in zip(offset, window.dilations)]
+        ends = [s + (n - 1) * stride + 1 for s, n, stride in zip(starts, out_spatial, window.strides)]
+        taken = w.op("Slice", [source_t, w.ints(starts), w.ints(ends), w.ints(spatial_axes), w.ints(window.strides)])
+        if groups == 1:  # (M, N*P) x (C, N*P)^T -> (M, C)
+            piece = w.op("Gemm", [w.reshape(rows, [out_channels, -1]), w.reshape(taken, [in_per_group, -1])],
+                         transB=1)
+        else:  # (G, C/G, N*P) x (G, N*P, M/G) -> (G, C/G, M/G)
+            piece = w.op("MatMul", [w.reshape(taken, [groups, in_per_group, -1]), rows])
+        pieces.append(w.unsqueeze(piece, [-1]))
+    stacked = pieces[0] if len(pieces) == 1 else w.op("Concat", pieces, axis=-1)
+    if groups > 1:
+        stacked = w.op("Transpose", [stacked], perm=[0, 2, 1, 3])  # (G, M/G, C/G, K)
+    w.reshape(stacked, list(weight_shape), output=output)
+
+
+def _bias_gradient(c: RuleContext, gradient: str, rank: int, output: str) -> None:
+    c.writer.reduce("ReduceSum", gradient, _non_channel_axes(rank), keepdims=False, output=output)
+
+
+@rule("ConvGrad")
+def conv_grad(c: RuleContext) -> None:
+    """dX = ConvTranspose(dY, W); dW by im2col and a matrix product; dB = sum of dY."""
+    dy, x, weight = c.input(0), c.input(1), c.input(2)
+    weight_shape = c.static(weight, what="the shape")
+    x_spatial = c.static(x, 2, what="the spatial dims")
+    window = _window(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
+    out_spatial = tuple(window.out_size(n, axis) for axis, n in enumerate(x_spatial))
+    groups = c.attr("group", 1)
+    if c.output(0):
+        c.writer.op("ConvTranspose", [dy, weight], outputs=[c.output(0)], group=groups,
+                    **window.transposed(x_spatial, out_spatial))
+    if c.output(1):
+        _weight_gradient(c, x, dy, window, groups, out_spatial, weight_shape, c.output(1))
+    if c.output(2):
+        _bias_gradient(c, dy, len(weight_shape), c.output(2))
+
+
+@rule("ConvTransposeGrad")
+def conv_transpose_grad(c: RuleContext) -> None:
+    """ConvTranspose's gradients: dX = Conv(dY, W); dW as a convolution's with dY and X in swapped roles."""
+    dy, x, weight = c.input(0), c.input(1), c.input(2)
+    if c.attr("output_shape") or c.attr("auto_pad", "NOTSET") != "NOTSET":
+        raise c.refuse("only explicit pads are supported (no output_shape, no auto_pad)")
+    weight_shape = c.static(weight, what="the shape")
+    x_spatial = c.static(x, 2, what="the spatial dims")
+    window = _window(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
+    groups = c.attr("group", 1)
+    if c.output(0):
+        c.writer.op("Conv", [dy, weight], outputs=[c.output(0)], group=groups, strides=list(window.strides),
+                    dilations=list(window.dilations), pads=[*window.begin, *window.end])
+    if c.output(1):
+        _weight_gradient(c, dy, x, window, groups, x_spatial, weight_shape, c.output(1))
+    if c.output(2):
+        _bias_gradient(c, dy, len(weight_shape), c.output(2))
+
+
+def _average_counts(window: _Window, spatial: tuple[int, ...], out: tuple[int, ...], include_pad: bool) -> np.ndarray:
+    """How many elements each output of an AveragePool divides by (ORT's rule, per spatial axis)."""
+    per_axis = []
+    for axis, (size, count) in enumerate(zip(spatial, out)):
+        starts = np.arange(count) * window.strides[axis] - window.begin[axis]
+        ends = np.minimum(starts + window.kernel[axis], size + window.end[axis])
+        if not include_pad:
+            starts, ends = np.maximum(starts, 0), np.minimum(ends, size)
+        per_axis.append((ends - starts).astype(np.float64))
+    counts = per_axis[0]
+    for more in per_axis[1:]:
+        counts = np.multiply.outer(counts, more)
+    return counts
+
+
+@rule("AveragePoolGrad", domain="")
+def average_pool_grad(c: RuleContext) -> None:
+    """Spread each dY / window size back over its window: a depthwise ConvTranspose with a ones kernel."""
+    w, dy = c.writer, c.input(0)
+    forward = c.producers.get(dy[: -len("_grad")]) if dy.endswith("_grad") else None
+    if forward is None or forward.op_type != "AveragePool":
+        raise c.refuse(f"no AveragePool produces the tensor whose gradient is {dy!r}")
+    x = forward.input[0]
+    x_shape = c.static(x, 1, what="the channel and spatial dims")
+    channels, spatial = x_shape[0], x_shape[1:]
+    kernel = tuple(c.attr("kernel_shape"))
+    if any(d != 1 for d in c.attr("dilations", [1] * len(kernel))):
+        raise c.refuse("dilated AveragePool is not supported")
+    window = _window(c, spatial, kernel)
+    ceil = bool(c.attr("ceil_mode", 0))
+    out = tuple(window.out_size(n, axis, ceil) for axis, n in enumerate(spatial))
+    counts = _average_counts(window, spatial, out, bool(c.attr("count_include_pad", 0)))
+    dtype = c.type_of(dy).numpy_dtype
+    scaled = w.op("Div", [dy, w.const(counts, dtype, hint="window_sizes")])
+    ones = w.const(np.ones((channels, 1, *kernel)), dtype, hint="ones_kernel")
+    w.op("ConvTranspose", [scaled, ones], outputs=[c.output(0)], group=channels, **window.transposed(spatial, out))
