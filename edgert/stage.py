@@ -22,6 +22,8 @@ import numpy as np
 from edgert.errors import StageError
 from edgert.manifest import BATCH, MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig
 from edgert.optimizer import FlatParameters, Optimizer, StateDict, make_optimizer
+from edgert.ort_import import onnxruntime
+from edgert.providers import DEFAULT_PROVIDERS
 from edgert.weights import load_state
 
 LOSS_SCALE_INPUT = "loss_scale"
@@ -47,21 +49,21 @@ class BackwardResult:
     input_gradients: dict[str, np.ndarray]
 
 
-def _session(path: Path, threads: int):
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
+def _session(path: Path, threads: int, providers: tuple[str, ...]):
+    ort = onnxruntime()
+    options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), options, providers=list(providers))
 
 
 class StageSession:
     """A stage's sessions, its parameters, accumulated gradients and optimizer."""
 
     def __init__(self, entry: StageEntry, plan_dir: str | Path, training: TrainingConfig,
-                 threads: Threads = Threads(), memory_mode: str = "recompute"):
+                 threads: Threads = Threads(), memory_mode: str = "recompute",
+                 providers: tuple[str, ...] = DEFAULT_PROVIDERS):
         if memory_mode not in MEMORY_MODES:
             raise StageError(f"memory mode {memory_mode!r} is not one of {', '.join(MEMORY_MODES)}")
         self.entry = entry
@@ -69,6 +71,7 @@ class StageSession:
         self.stashing = memory_mode == "stash" and not entry.is_last
         self.training = training
         self.threads = threads
+        self.providers = providers
         self.single_threaded = threads.forward == threads.backward == 1
         plan_dir = Path(plan_dir)
         self._plan_dir = plan_dir
@@ -80,8 +83,8 @@ class StageSession:
         self._gradient = self._flat.zeros()
         self._accumulated = 0
         forward_role, backward_role = ("forward_stash", "backward_stash") if self.stashing else ("eval", "backward")
-        self._forward = _session(plan_dir / entry.artifact(forward_role).path, threads.forward)
-        self._backward = _session(plan_dir / entry.artifact(backward_role).path, threads.backward)
+        self._forward = _session(plan_dir / entry.artifact(forward_role).path, threads.forward, providers)
+        self._backward = _session(plan_dir / entry.artifact(backward_role).path, threads.backward, providers)
         self._infer = None
         self._forward_inputs = {i.name for i in self._forward.get_inputs()}
         self._backward_inputs = {i.name for i in self._backward.get_inputs()}
@@ -195,7 +198,7 @@ class StageSession:
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Forward with inference-form normalisation (running statistics), for evaluation."""
         if self._infer is None:
-            self._infer = _session(self._plan_dir / self.entry.artifact("infer").path, 1)
+            self._infer = _session(self._plan_dir / self.entry.artifact("infer").path, 1, self.providers)
         feeds = self._checked_feeds(inputs, list(self.entry.inputs))
         feeds.update(self._values)
         names = [t.name for t in self.entry.outputs]

@@ -55,6 +55,7 @@ from edgert.protocol import (
     failure_envelope,
     reports_to_envelope,
 )
+from edgert.providers import DEFAULT_PROVIDERS
 from edgert.replica import CopyStore
 from edgert.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.stage import StageSession, Threads
@@ -96,6 +97,7 @@ class WorkerConfig:
     join: str | None = None  # a coordinator to announce this worker to (joining a running job)
     advertise: str | None = None  # the host others reach this worker at (default: the listen host)
     tls: TlsCredentials | None = None  # this device's cluster credential (None: plaintext, --insecure)
+    providers: tuple[str, ...] = DEFAULT_PROVIDERS  # onnxruntime execution providers, CPU last
 
 
 class Worker(StateResources, MeasureResources):
@@ -257,7 +259,8 @@ class Worker(StateResources, MeasureResources):
         local = dataclasses.replace(entry, artifacts=tuple(
             dataclasses.replace(a, path=Path(a.path).name) for a in entry.artifacts))
         threads = Threads(assignment.forward_threads, assignment.backward_threads)
-        return StageSession(local, folder, assignment.training, threads, assignment.memory_mode)
+        return StageSession(local, folder, assignment.training, threads, assignment.memory_mode,
+                            self.config.providers)
 
     def _install(self, assignment: StageAssignment, session: StageSession) -> None:
         if self.session is not None and self.assignment.run_id == assignment.run_id:

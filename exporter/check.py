@@ -4,7 +4,8 @@ The reference is built independently of the stage builder, with ORT's own
 ``generate_artifacts`` on the normalised whole model, and stepped with ORT's own optimizer
 model (or the runtime optimizer where ORT's SGD cannot express the config). On one seeded
 batch the check compares the loss, every parameter gradient, and every parameter after a
-few optimizer steps, per stage.
+few optimizer steps, per stage. Then, stage by stage and in both memory modes, the portable
+graphs a board runs are compared with the training build's own (``check_portable``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import onnx
 
 from edgert.chain import StageChain
+from edgert.exporter.check_portable import PORTABLE_TOLERANCE, PortableDiff, compare_portable, training_build_gaps
 from edgert.exporter.normalise import normalise
 from edgert.exporter.source import from_model_proto
 from edgert.manifest import BoundaryTensor, Manifest, load_manifest
@@ -51,14 +53,21 @@ class CheckReport:
     steps: int
     batch_size: int
     notes: list[str] = field(default_factory=list)
+    portable: list[PortableDiff] = field(default_factory=list)
+    portable_tolerance: float = PORTABLE_TOLERANCE
+
+    @property
+    def max_portable_rel_diff(self) -> float:
+        return max((d.largest for d in self.portable), default=0.0)
 
     @property
     def ok(self) -> bool:
         return max(self.max_grad_rel_diff, self.max_param_rel_diff,
-                   self.loss_diff / max(abs(self.reference_loss), 1e-12)) <= self.tolerance
+                   self.loss_diff / max(abs(self.reference_loss), 1e-12)) <= self.tolerance and \
+            self.max_portable_rel_diff <= self.portable_tolerance
 
     def to_json(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "max_portable_rel_diff": self.max_portable_rel_diff, "ok": self.ok}
 
 
 def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps: int = 3,
@@ -69,8 +78,13 @@ def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps
     source = _source_model(plan_dir, manifest, model_path)
     inputs, labels = _seeded_batch(manifest, source, batch_size, seed)
     with tempfile.TemporaryDirectory(prefix="edgert-check-") as scratch:
-        reference = _Reference(source, manifest, Path(scratch))
+        gaps = training_build_gaps(normalise(from_model_proto(source, "reference")).graph.node)
+        if gaps:
+            reference = _PortableReference(source, manifest, Path(scratch), gaps)
+        else:
+            reference = _Reference(source, manifest, Path(scratch))
         chain = StageChain(plan_dir, manifest)
+        portable, portable_notes = compare_portable(plan_dir, manifest, _stage_inputs(chain, inputs), labels, seed)
         losses, ref_losses = [], []
         grads = ref_grads = None
         for step in range(steps):
@@ -93,8 +107,17 @@ def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps
         tolerance=tolerance,
         steps=steps,
         batch_size=batch_size,
-        notes=reference.notes,
+        notes=reference.notes + portable_notes,
+        portable=portable,
     )
+
+
+def _stage_inputs(chain: StageChain, inputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Each stage's boundary inputs for ``inputs``, from the chain's forward (which moves no statistics)."""
+    values = [inputs]
+    for stage in chain.stages[:-1]:
+        values.append(stage.forward(values[-1], {}))
+    return values
 
 
 def _source_model(plan_dir: Path, manifest: Manifest, model_path: str | Path | None) -> onnx.ModelProto:
@@ -245,3 +268,30 @@ class _Reference:
             for name, view in views.items():
                 view[...] = self._flat.views[name]
         self._module.lazy_reset_grad()
+
+
+class _PortableReference:
+    """The unsplit model as one portable stage, trained by the runtime: the reference where the training
+    build cannot differentiate the model (``training_build_gaps``)."""
+
+    def __init__(self, model: onnx.ModelProto, manifest: Manifest, scratch: Path, gaps: list[str]):
+        from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+
+        self.notes = [f"reference: the unsplit model as one portable stage, since the training build's "
+                      f"{', '.join(gaps)} cannot serve"]
+        source = from_model_proto(model, "reference")
+        options = ExportOptions(stages=1, training=manifest.training)
+        write_plan(source, prepare_analysis(source, options), [], scratch / "whole", manifest.training)
+        self._chain = StageChain(scratch / "whole")
+
+    def train_batch(self, inputs: dict[str, np.ndarray], labels: dict[str, np.ndarray]) -> float:
+        return self._chain.train_batch(inputs, labels).loss
+
+    def gradients(self) -> dict[str, np.ndarray]:
+        return self._chain.gradients()
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return self._chain.parameters(include_buffers=False)
+
+    def step(self) -> None:
+        self._chain.step()

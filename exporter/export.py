@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,19 +90,28 @@ def write_plan(
     gradient wiring) is copied instead of rebuilt: re-partitioning re-uses block ranges.
     """
     _check_training_config(training)
-    _prepare_folder(out_dir)
+    _check_folder(out_dir)
     ranges = stage_ranges(cuts, len(analysis.blocks))
     graphs = [slice_stage(analysis, k, first, end) for k, (first, end) in enumerate(ranges)]
     built: list[StageArtifacts] = [None] * len(graphs)  # type: ignore[list-item]
-    for stage in reversed(graphs):
-        progress(f"stage {stage.index}: blocks {stage.first_block}..{stage.end_block - 1}, building artifacts")
-        downstream = built[stage.index + 1] if not stage.is_last else None
-        gradient_outputs = [t for t in stage.outputs if downstream and t.name in downstream.input_gradients]
-        wants = {t.name for t in stage.inputs if t.differentiable and t.name not in _model_inputs(analysis)}
-        built[stage.index] = _build_or_reuse(stage, training, out_dir / f"stage{stage.index}", gradient_outputs,
-                                             wants, cache)
-        for note in built[stage.index].notes:
-            progress(f"stage {stage.index}: {note}")
+    # Stages are built aside and moved in only when all of them built: a failure leaves the folder as it was.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    try:
+        for stage in reversed(graphs):
+            progress(f"stage {stage.index}: blocks {stage.first_block}..{stage.end_block - 1}, building artifacts")
+            downstream = built[stage.index + 1] if not stage.is_last else None
+            gradient_outputs = [t for t in stage.outputs if downstream and t.name in downstream.input_gradients]
+            wants = {t.name for t in stage.inputs if t.differentiable and t.name not in _model_inputs(analysis)}
+            built[stage.index] = _build_or_reuse(stage, training, staging / f"stage{stage.index}", gradient_outputs,
+                                                 wants, cache)
+            for note in built[stage.index].notes:
+                progress(f"stage {stage.index}: {note}")
+        _replace_stages(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    built = [dataclasses.replace(b, files={role: out_dir / path.relative_to(staging) for role, path in b.files.items()})
+             for b in built]
     _copy_source(source, out_dir / SOURCE_FILE)
     manifest = _manifest(source, analysis, graphs, built, out_dir, training)
     write_manifest(manifest, out_dir)
@@ -146,15 +156,21 @@ def _check_training_config(training: TrainingConfig) -> None:
         raise ExportError(f"weight decay must be >= 0 (got {training.weight_decay})")
 
 
-def _prepare_folder(out_dir: Path) -> None:
+def _check_folder(out_dir: Path) -> None:
     if out_dir.exists():
         if not out_dir.is_dir():
             raise ExportError(f"{out_dir}: exists and is not a folder")
         if any(out_dir.iterdir()) and not (out_dir / "manifest.json").exists():
             raise ExportError(f"{out_dir}: folder is not empty and is not an edgert plan; choose another -o")
-        for child in out_dir.glob("stage*"):
-            shutil.rmtree(child)
+
+
+def _replace_stages(staging: Path, out_dir: Path) -> None:
+    """Move the freshly built stage folders into ``out_dir`` in place of its old ones."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for child in out_dir.glob("stage*"):
+        shutil.rmtree(child)
+    for child in staging.iterdir():
+        child.rename(out_dir / child.name)
 
 
 def _copy_source(source: SourceModel, path: Path) -> None:

@@ -233,6 +233,41 @@ def scale(c: RuleContext) -> None:
     w.op("Div" if c.attr("scale_down", 0) else "Mul", [x, factor], outputs=[c.output(0)])
 
 
+def _broadcast_axes(w: GraphWriter, mine: str, other: str) -> str:
+    """The axes along which a shape ``mine`` (padded to the result's rank) was broadcast against ``other``."""
+    one = w.const([1])
+    spread = w.op("And", [w.op("Equal", [mine, one]), w.op("Not", [w.op("Equal", [other, one])])])
+    return w.reshape(w.op("NonZero", [spread]), [-1])
+
+
+def _padded_shape(w: GraphWriter, shape: str, rank: int, target_rank: int) -> str:
+    """A shape vector with leading ones up to ``target_rank`` (numpy broadcasting aligns the right ends)."""
+    return shape if rank == target_rank else w.op("Concat", [w.ints([1] * (target_rank - rank)), shape], axis=0)
+
+
+def _sum_to_shape(c: RuleContext, value: str, target: str, rank: int) -> str:
+    """``value`` (broadcast to rank ``rank``) summed over the axes ``target`` was broadcast along, shaped like it."""
+    w = c.writer
+    shape = w.op("Shape", [target])
+    axes = _broadcast_axes(w, _padded_shape(w, shape, c.type_of(target).rank, rank), w.op("Shape", [value]))
+    summed = w.op("ReduceSum", [value, axes], keepdims=1, noop_with_empty_axes=1)
+    return w.reshape(summed, shape)
+
+
+@rule("DivGrad")
+def div_grad(c: RuleContext) -> None:
+    """A / B: dA = dY / B, dB = -(dY / B) (A / B), each summed back to its operand's shape."""
+    w = c.writer
+    dy, a, b = c.input(0), c.input(1), c.input(2)
+    rank = max(c.type_of(a).rank, c.type_of(b).rank)
+    scaled = w.op("Div", [dy, b])
+    if c.output(0):
+        w.identity(_sum_to_shape(c, scaled, a, rank), c.output(0))
+    if c.output(1):
+        d_b = w.op("Neg", [w.op("Mul", [scaled, w.op("Div", [a, b])])])
+        w.identity(_sum_to_shape(c, d_b, b, rank), c.output(1))
+
+
 # -- indexing ----------------------------------------------------------------------------------
 
 
@@ -332,16 +367,10 @@ def broadcast_gradient_args(c: RuleContext) -> None:
     a, b = c.input(0), c.input(1)
     ra, rb = c.static(a, what="the length")[0], c.static(b, what="the length")[0]
     rank = max(ra, rb)
-
-    def full(shape: str, r: int) -> str:
-        return shape if r == rank else w.op("Concat", [w.ints([1] * (rank - r)), shape], axis=0)
-
-    a_full, b_full = full(a, ra), full(b, rb)
-    one = w.const([1])
+    a_full, b_full = _padded_shape(w, a, ra, rank), _padded_shape(w, b, rb, rank)
     for mine, other, output in ((a_full, b_full, c.output(0)), (b_full, a_full, c.output(1))):
         if output:
-            expanded = w.op("And", [w.op("Equal", [mine, one]), w.op("Not", [w.op("Equal", [other, one])])])
-            w.reshape(w.op("NonZero", [expanded]), [-1], output=output)
+            w.identity(_broadcast_axes(w, mine, other), output)
 
 
 # -- normalisation -----------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 Models exported by others rarely come in training form. This module:
 - names every node uniquely (cuts and errors refer to node names);
 - turns ``Constant`` nodes into initializers (constants may be copied into any stage);
+- unrolls ``RNN``/``GRU``/``LSTM`` into standard operators (exporter.recurrent), whose
+  gradients every onnxruntime build runs;
 - removes ``Dropout`` (a stage's backward recomputes its forward, so the forward must be
   deterministic);
 - sets ``BatchNormalization`` to ``training_mode=1`` with its running-stat outputs, which
@@ -22,6 +24,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgert.exporter.errors import ModelLoadError
+from edgert.exporter.recurrent import unroll_recurrent
 from edgert.exporter.source import SourceModel
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
@@ -62,6 +65,7 @@ def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGra
     frozen = tuple(frozen) + _frozen_by_metadata(model)
     _name_nodes(model.graph)
     constants = _constants_to_initializers(model.graph)
+    notes += unroll_recurrent(model)
     notes += _remove_dropout(model.graph)
     buffer_updates = _batchnorm_training_form(model.graph)
     _layernorm_training_form(model.graph)

@@ -8,6 +8,7 @@ Each module here registers one family of commands on :data:`main`:
 - ``runtime.py``   ``edgert worker``, ``edgert train`` (the runtime; no host extra needed for worker)
 - ``demo.py``      ``edgert demo``                    (host)
 - ``keys.py``      ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); security options
+- ``doctor.py``    ``edgert doctor``                   (board: is this device ready to be a worker)
 
 Host commands import ``edgert.exporter`` / ``edgert.models`` inside the command body, so a
 board without the ``host`` extra can still run the runtime commands.
@@ -40,7 +41,7 @@ def main() -> None:
 
 
 def _register_commands() -> None:
-    from edgert.cli import bench, demo, export, keys, runtime, zoo  # noqa: F401  (each registers itself on main)
+    from edgert.cli import bench, demo, doctor, export, keys, runtime, zoo  # noqa: F401  (each registers itself on main)
 
 
 _register_commands()

@@ -36,11 +36,15 @@ def _logging(level: str) -> None:
               help="Where received stage files go (default: a temporary folder).")
 @click.option("--join", default=None, help="URL of a running coordinator to join (its --listen address).")
 @click.option("--advertise", default=None, help="Host the coordinator and peers reach this worker at.")
+@click.option("--providers", default="cpu", show_default=True, envvar="EDGERT_PROVIDERS",
+              help="onnxruntime execution providers, best first, e.g. cuda,cpu on a Jetson with onnxruntime-gpu "
+                   "(the CPU always comes last).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def worker_command(listen: str | None, credential: Path | None, insecure: bool, name: str, slowdown: str | None,
                    slowdown_schedule: str | None, workdir: Path | None, join: str | None, advertise: str | None,
-                   log_level: str) -> None:
+                   providers: str, log_level: str) -> None:
     """Run the on-device runtime: serve CoAP, train whatever stage the coordinator assigns."""
+    from edgert.providers import check_available, parse_providers
     from edgert.slowdown import SlowdownSchedule
     from edgert.worker import Worker, WorkerConfig
 
@@ -51,7 +55,8 @@ def worker_command(listen: str | None, credential: Path | None, insecure: bool, 
     _check_listen(listen, tls is not None, udp=True)
     schedule = SlowdownSchedule.parse(slowdown_schedule or slowdown or "1")
     config = WorkerConfig(listen=listen or default_listen(tls is not None, 5701), name=name, slowdown=schedule,
-                          workdir=workdir, join=join, advertise=advertise, tls=tls)
+                          workdir=workdir, join=join, advertise=advertise, tls=tls,
+                          providers=check_available(parse_providers(providers)))
     asyncio.run(_serve(Worker(config)))
 
 

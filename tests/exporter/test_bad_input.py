@@ -102,3 +102,41 @@ def test_mse_loss(tmp_path):
     assert result.exit_code == 0, result.output
     checked = run("check", plan, "--json")
     assert checked.exit_code == 0, checked.output
+
+
+def _upsampling_model():
+    """input[N,2,4,4] -> Conv -> Resize (x2, nearest) -> Flatten -> Gemm: ResizeGrad has no portable form."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((3, 2, 3, 3)).astype(np.float32), "conv.weight"),
+             numpy_helper.from_array(np.array([], np.float32), "roi"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+             numpy_helper.from_array(rng.standard_normal((3 * 8 * 8, 4)).astype(np.float32), "fc.weight")]
+    nodes = [helper.make_node("Conv", ["input", "conv.weight"], ["c"], name="/conv/Conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["c", "roi", "scales"], ["up"], name="/up/Resize", mode="nearest"),
+             helper.make_node("Flatten", ["up"], ["flat"], name="/fc/Flatten"),
+             helper.make_node("Gemm", ["flat", "fc.weight"], ["logits"], name="/fc/Gemm")]
+    graph = helper.make_graph(nodes, "up", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 2, 4, 4])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_an_operator_without_a_portable_gradient_fails_before_anything_is_written(tmp_path):
+    path = tmp_path / "up.onnx"
+    onnx.save(_upsampling_model(), str(path))
+    result = run("export", path, "-o", tmp_path / "plan", "--stages", "2")
+    assert_one_line_error(result, "com.microsoft.ResizeGrad", "/up/Resize", "no portable form")
+    assert not (tmp_path / "plan").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["up.onnx"]  # no half-built stage folder left behind
+
+
+def test_a_failed_export_leaves_the_previous_plan_as_it_was(skip_model_path, tmp_path):
+    assert run("export", skip_model_path, "-o", tmp_path / "plan", "--stages", "2").exit_code == 0
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "plan").rglob("*") if p.is_file()}
+    path = tmp_path / "up.onnx"
+    onnx.save(_upsampling_model(), str(path))
+    assert_one_line_error(run("export", path, "-o", tmp_path / "plan"), "ResizeGrad")
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "plan").rglob("*") if p.is_file()}
+    assert after == before

@@ -1,4 +1,5 @@
-"""Every zoo model, cut into 1..4 stages, trains exactly like the unsplit model (edgert check)."""
+"""Every zoo model, cut into 1..4 stages, trains exactly like the unsplit model (edgert check), and its
+portable stage graphs compute what the training build computes, in both memory modes."""
 
 import pytest
 
@@ -8,6 +9,7 @@ from edgert.exporter.source import from_model_proto
 from edgert.models import build_model, list_models
 
 TOLERANCE = 1e-4
+PORTABLE_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,10 @@ def test_chained_stages_match_unsplit_model(zoo_sources, tmp_path, name, stages)
     assert report.max_grad_rel_diff <= TOLERANCE
     assert report.max_param_rel_diff <= TOLERANCE
     assert report.loss_diff <= TOLERANCE * abs(report.reference_loss)
+    # every stage in recompute mode, every stage but the last in stash mode
+    assert sorted((d.stage, d.memory_mode) for d in report.portable) == sorted(
+        [(k, "recompute") for k in range(stages)] + [(k, "stash") for k in range(stages - 1)])
+    assert report.max_portable_rel_diff <= PORTABLE_TOLERANCE
     assert report.ok
 
 

@@ -25,7 +25,7 @@ def test_round_trip_is_lossless(plan):
     assert [t.name for t in stage.inputs] == ["a_out", "b_out"]  # the skip crosses this cut
     assert stage.inputs[0].shape == ("N", 6) and stage.inputs[0].dtype == "float32"
     assert {a.role for a in stage.artifacts} == {"training", "backward", "forward_stash", "backward_stash", "eval",
-                                                 "infer", "optimizer", "checkpoint"}
+                                                 "infer", "optimizer", "checkpoint", "parameters"}
     assert stage.saved and not again.stages[-1].saved
     assert all(len(a.sha256) == 64 for a in stage.artifacts)
     assert again.stages[-1].labels[0].name == "labels"
@@ -51,6 +51,10 @@ def test_unknown_format_version_and_garbage(plan, tmp_path):
     data["format_version"] = 99
     (plan / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="format version 99 is not supported"):
+        load_manifest(plan)
+    data["format_version"] = 1
+    (plan / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="exported by an older edgert .* export it again"):
         load_manifest(plan)
     (plan / "manifest.json").write_text("{not json")
     with pytest.raises(ManifestError, match="not valid JSON"):

@@ -105,6 +105,9 @@ CASES |= {
     "reshape": (single_op("Reshape", {"x": (F, ["N", 6])}, {"shape": np.array([-1, 2, 3], np.int64)}), {"x"}, ()),
     "broadcast_add": (single_op("Add", {"x": (F, ["N", 3, 4]), "z": (F, ["N", 1, 4])}), {"x", "z"}, ()),
     "broadcast_mul": (single_op("Mul", {"x": (F, ["N", 1, 4]), "z": (F, [3, 1])}), {"x", "z"}, ()),
+    "divide": (single_op("Div", {"x": (F, ["N", 3, 4]), "z": (F, ["N", 3, 4])}), {"x", "z"}, ()),
+    "divide_broadcast": (single_op("Div", {"x": (F, ["N", 3, 4]), "z": (F, ["N", 1, 4])}), {"x", "z"}, ()),
+    "divide_by_parameter": (single_op("Div", {"x": (F, ["N", 3, 4])}, {"z": p(4, positive=True)}), {"x", "z"}, ()),
     "expand": (single_op("Expand", {"x": (F, ["N", 1, 4])}, {"shape": np.array([1, 3, 1], np.int64)}), {"x"}, ()),
 }
 
@@ -135,7 +138,7 @@ def test_cases_exercise_the_rewrites():
     assert {"ReluGrad", "LeakyReluGrad", "SigmoidGrad", "TanhGrad", "SoftmaxGrad_13", "LogSoftmaxGrad_13",
             "BatchNormInternal", "BatchNormalizationGrad", "LayerNormalizationGrad", "ConvGrad",
             "ConvTransposeGrad", "MaxPoolGrad", "AveragePoolGrad", "Scale", "GatherGrad", "ConcatTraining",
-            "SplitTraining", "SliceGrad", "BroadcastGradientArgs"} <= reached
+            "SplitTraining", "SliceGrad", "BroadcastGradientArgs", "DivGrad"} <= reached
 
 
 def test_an_operator_without_a_portable_form_is_named():

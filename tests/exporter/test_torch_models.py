@@ -79,3 +79,82 @@ def test_torch_transformer(tmp_path, stages):
     report = check_plan(tmp_path / "plan")
     assert report.ok, report.to_json()
     assert report.max_grad_rel_diff <= 1e-4 and report.max_param_rel_diff <= 1e-4
+
+
+class EveryOp(nn.Module):
+    """The operators a torch user's model brings, one after another: each one's gradient must be portable."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 6, 3, padding=1)
+        self.up = nn.ConvTranspose2d(6, 4, 2, stride=2)
+        self.pool = nn.AvgPool2d(2)
+        self.squeeze = nn.AdaptiveAvgPool2d(1)
+        self.act = nn.LeakyReLU(0.1)
+        self.drop = nn.Dropout(0.2)
+        self.fc = nn.Linear(4 * 4 * 4, 24)
+        self.head = nn.Linear(25, 5)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.conv(x)) * torch.tanh(self.conv(x))
+        y = self.act(self.pool(self.up(y)))                                # ConvTranspose, AveragePool, LeakyRelu
+        gate = torch.softmax(self.squeeze(y).flatten(1), dim=1)            # GlobalAveragePool, Softmax
+        y = y.permute(0, 2, 3, 1).reshape(y.shape[0], -1)                 # Transpose, Reshape
+        a, b = torch.split(self.drop(self.fc(y)), [8, 16], dim=1)          # Dropout, Split
+        y = torch.cat([a * 2, b[:, 1:15:2].repeat(1, 2)], dim=1)           # Slice with a step, Concat
+        return self.head(torch.cat([y, gate], dim=1)[:, 1:])
+
+
+class Recurrent(nn.Module):
+    def __init__(self, vocab=12, width=8, classes=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.gru = nn.GRU(width, 8, batch_first=True, bidirectional=True)
+        self.lstm = nn.LSTM(16, 6, num_layers=2, batch_first=True)
+        self.head = nn.Linear(6, classes)
+
+    def forward(self, tokens):
+        y, _ = self.gru(self.embed(tokens))
+        y, (h, _) = self.lstm(y)
+        return self.head(y[:, -1] + h[-1])
+
+
+def _training_build_ops(plan):
+    """Operators in the plan's runtime graphs that only the training build runs."""
+    import onnx
+
+    from edgert.exporter.portable import ai_onnx_opset, runs_on_stock
+    from edgert.manifest import RUNTIME_ROLES, STASH_ROLES, load_manifest
+
+    found = set()
+    manifest = load_manifest(plan)
+    for entry in manifest.stages:
+        for artifact in entry.artifacts:
+            if artifact.role in RUNTIME_ROLES + STASH_ROLES and artifact.path.endswith(".onnx"):
+                model = onnx.load(str(plan / artifact.path))
+                found |= {n.op_type for n in model.graph.node if not runs_on_stock(n, ai_onnx_opset(model))}
+    return found
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_torch_model_with_every_listed_operator_is_portable(tmp_path, stages):
+    torch.manual_seed(0)
+    path = export_training_mode(EveryOp(), torch.randn(2, 2, 4, 4), tmp_path / "ops.onnx", "input")
+    manifest = export_plan(path, tmp_path / "plan", ExportOptions(stages=stages))
+    assert len(manifest.stages) == stages
+    assert _training_build_ops(tmp_path / "plan") == set()
+    report = check_plan(tmp_path / "plan")
+    assert report.ok, report.to_json()
+    assert any("reference: the unsplit model as one portable stage" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_torch_gru_and_lstm_unrolled_and_portable(tmp_path, stages):
+    torch.manual_seed(0)
+    path = export_training_mode(Recurrent(), torch.randint(0, 12, (2, 5)), tmp_path / "rnn.onnx", "tokens")
+    manifest = export_plan(path, tmp_path / "plan", ExportOptions(stages=stages))
+    assert len(manifest.stages) == stages
+    assert _training_build_ops(tmp_path / "plan") == set()
+    report = check_plan(tmp_path / "plan")
+    assert report.ok, report.to_json()
+    assert report.max_portable_rel_diff <= 1e-5 and len(report.portable) == 2 * stages - 1
