@@ -17,6 +17,7 @@ from pathlib import Path
 
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME
+from edgert.transport import deadline
 from edgert.weights import StageState, save_state
 
 SNAPSHOT_WAIT_S = 30.0  # how long the end of a segment waits for the copies of its epoch ends
@@ -59,11 +60,11 @@ class EvaluationMixin:
             self._checkpoint_epochs = {s: e for s, e in self._checkpoint_epochs.items() if s <= through_step}
         due = [s for s in self._checkpoint_epochs if through_step is None or s <= through_step]
         try:
-            async with asyncio.timeout(SNAPSHOT_WAIT_S):
+            async with deadline.timeout(SNAPSHOT_WAIT_S):
                 while any(s in self._checkpoint_epochs for s in due):
                     self._checkpoint_arrived.clear()
                     await self._checkpoint_arrived.wait()
-        except TimeoutError:
+        except asyncio.TimeoutError:
             pass  # the copies still missing are skipped below
         for step in [s for s in due if s in self._checkpoint_epochs]:
             self._skip_evaluation(step, self._checkpoint_epochs.pop(step),

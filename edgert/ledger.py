@@ -82,7 +82,7 @@ class StepLedger:
             return True
         try:
             await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return False
         return True
 

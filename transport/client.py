@@ -49,7 +49,7 @@ from aiocoap.protocol import BlockwiseRequest
 from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
-from edgert.transport import coap_tcp, linkformat
+from edgert.transport import coap_tcp, deadline, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, encode_envelope_parts
 from edgert.transport.errors import MalformedMessage, PeerUnreachable, RequestTimeout
@@ -199,9 +199,9 @@ class TensorClient:
         delay = self.config.backoff
         for attempt in range(retries + 1):
             try:
-                async with asyncio.timeout(timeout):  # unlike wait_for, no task per attempt
+                async with deadline.timeout(timeout):  # unlike wait_for, no task per attempt
                     response = await self._once(code, scheme, hostinfo, uri_path, uri_query, body, content_format)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 failure: Exception = RequestTimeout(
                     f"{method} {url}/{path.strip('/')}: no response within {timeout} s "
                     f"(attempt {attempt + 1} of {retries + 1})")

@@ -429,7 +429,7 @@ class LargeTCPClient(TCPClient):
                 raise coap_error.NetworkError(f"{host}:{port} refused: {refusal}")
         try:
             await asyncio.wait_for(asyncio.shield(conn.csm_received), self.csm_timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             conn.abort("No CSM received in time")
             raise coap_error.NetworkError(f"{host}:{port} sent no CSM within {self.csm_timeout} s") from None
         self._pool[(host, port)] = conn

@@ -63,7 +63,7 @@ class Observation:
         self._request = client._context.request(message)
         try:
             first = await asyncio.wait_for(asyncio.shield(self._request.response), self._timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             self.cancel()
             raise RequestTimeout(f"observe {self._url}/{self._path}: no response within {self._timeout} s") from None
         except coap_error.NetworkError as exc:

@@ -360,7 +360,7 @@ def _expired(entry: dict, device: PeerIdentity) -> str | None:
         expires = datetime.datetime.fromisoformat(entry["expires"])
     except (KeyError, TypeError, ValueError):
         return None
-    if expires < datetime.datetime.now(datetime.UTC):
+    if expires < datetime.datetime.now(datetime.timezone.utc):
         return f"the credential of {device} expired on {entry['expires']}"
     return None
 

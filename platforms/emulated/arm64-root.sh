@@ -79,11 +79,18 @@ unmount_all() {
 }
 
 # A clean environment: nothing of the host's venv or PYTHONPATH leaks into the board.
+ROOT_ENV=(QEMU_CPU=cortex-a72 LC_ALL=C.UTF-8 PATH="$VENV/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+          HOME=/root TERM=dumb PYTHONUNBUFFERED=1 PIP_CERT=/etc/edgert-host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1)
+
 in_root() {
     mount_all
-    env -i QEMU_CPU=cortex-a72 LC_ALL=C.UTF-8 PATH="$VENV/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin" \
-        HOME=/root TERM=dumb PIP_CERT=/etc/edgert-host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 \
-        "$(command -v chroot)" "$ROOT" "$@"
+    env -i "${ROOT_ENV[@]}" "$(command -v chroot)" "$ROOT" "$@"
+}
+
+# The command replaces this script, so a signal sent to this process reaches it (edgert worker stops on SIGTERM).
+exec_in_root() {
+    mount_all
+    exec env -i "${ROOT_ENV[@]}" "$(command -v chroot)" "$ROOT" "$@"
 }
 
 build() {
@@ -154,7 +161,8 @@ status() {
 case ${1:-} in
     build) build ;;
     install) install ;;
-    run) shift; need_root; [[ -f $ROOT/.edgert-built ]] || die "no root at $ROOT: run '$0 build' first"; in_root "$@" ;;
+    run) shift; need_root; [[ -f $ROOT/.edgert-built ]] || die "no root at $ROOT: run '$0 build' first"
+         exec_in_root "$@" ;;
     status) status ;;
     unmount) need_root; unmount_all ;;
     *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
