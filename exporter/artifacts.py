@@ -84,12 +84,14 @@ def build_stage_artifacts(
     out_dir: Path,
     gradient_outputs: list[BoundaryTensor],
     wants_input_gradients: set[str],
+    portable: bool = True,
 ) -> StageArtifacts:
     """Write the stage's artifacts into ``out_dir``.
 
     ``gradient_outputs`` are the outputs the next stage sends gradients for (ignored on the
     last stage); ``wants_input_gradients`` are the inputs whose gradients the previous stage
-    consumes.
+    consumes. ``portable=False`` leaves the training build's operators in the backward graphs:
+    the baseline of tools/bench_portable.py, runnable only where the training build is.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {role: out_dir / name for role, name in FILE_NAMES.items()}
@@ -102,7 +104,7 @@ def build_stage_artifacts(
     user_outputs = [SCALED_LOSS_OUTPUT] + ([LOSS_OUTPUT, stage.outputs[0].name] if stage.is_last else [])
     user_outputs += list(stage.buffer_updates)
     input_gradients = _arrange_outputs(gradient_model, user_outputs, stage, requires_grad)
-    portable = make_portable(gradient_model, f"stage {stage.index} backward")
+    portable = make_portable(gradient_model, f"stage {stage.index} backward") if portable else gradient_model
     _save(portable, files[BACKWARD])
     saved: tuple[str, ...] = ()
     if stage.is_last:

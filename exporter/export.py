@@ -83,11 +83,13 @@ def write_plan(
     training: TrainingConfig,
     progress: Progress = lambda _: None,
     cache: Path | None = None,
+    portable: bool = True,
 ) -> Manifest:
     """Slice at ``cuts``, build every stage's artifacts into ``out_dir``, write the manifest.
 
     With ``cache``, a stage already built there (same sub-graph, training config and
     gradient wiring) is copied instead of rebuilt: re-partitioning re-uses block ranges.
+    ``portable=False``: see :func:`build_stage_artifacts` (benchmarks only).
     """
     _check_training_config(training)
     _check_folder(out_dir)
@@ -104,7 +106,7 @@ def write_plan(
             gradient_outputs = [t for t in stage.outputs if downstream and t.name in downstream.input_gradients]
             wants = {t.name for t in stage.inputs if t.differentiable and t.name not in _model_inputs(analysis)}
             built[stage.index] = _build_or_reuse(stage, training, staging / f"stage{stage.index}", gradient_outputs,
-                                                 wants, cache)
+                                                 wants, cache, portable)
             for note in built[stage.index].notes:
                 progress(f"stage {stage.index}: {note}")
         _replace_stages(staging, out_dir)
@@ -120,9 +122,9 @@ def write_plan(
 
 
 def _build_or_reuse(stage: StageGraph, training: TrainingConfig, out_dir: Path, gradient_outputs: list,
-                    wants: set[str], cache: Path | None) -> StageArtifacts:
-    if cache is None:
-        return build_stage_artifacts(stage, training, out_dir, gradient_outputs, wants)
+                    wants: set[str], cache: Path | None, portable: bool = True) -> StageArtifacts:
+    if cache is None or not portable:
+        return build_stage_artifacts(stage, training, out_dir, gradient_outputs, wants, portable)
     key = hashlib.sha256()
     key.update(stage.model.SerializeToString())
     key.update(json.dumps([dataclasses.asdict(training), sorted(t.name for t in gradient_outputs), sorted(wants),

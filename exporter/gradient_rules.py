@@ -521,49 +521,89 @@ def _window(c: RuleContext, spatial: tuple[int, ...], kernel: tuple[int, ...]) -
     return _Window(kernel, strides, dilations, tuple(pads[:d]), tuple(pads[d:]))
 
 
+# Below this many input channels per group, a product per kernel offset is too narrow for a fast GEMM.
+_NARROW_CHANNELS = 16
+
+
 def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
                      out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
     """dW[m, c, k] = sum over n, p of gradient[n, m, p] * source_padded[n, c, p * stride + k * dilation].
 
-    Per kernel offset k, one strided Slice of the (channels-first) source and one matrix
-    product with the gradient give dW[:, :, k]: the work of ORT's ConvGrad (im2col and
-    GEMM), in standard operators, without materialising the whole im2col matrix.
+    A wide layer takes one strided Slice of the (channels-first) source per kernel offset k
+    and one matrix product with the gradient for dW[:, :, k]; a narrow or grouped one is one
+    Conv (:func:`_swapped_weight_gradient`). Either is the work of ORT's ConvGrad (im2col and
+    GEMM) in standard operators.
     """
+    if groups > 1 or weight_shape[1] < _NARROW_CHANNELS:
+        _swapped_weight_gradient(c, source, gradient, window, groups, weight_shape, output)
+        return
     w = c.writer
     d = len(window.kernel)
     spatial_axes = list(range(2, 2 + d))
     channels_first = [1, 0, *spatial_axes]
-    in_per_group, out_channels = weight_shape[1], weight_shape[0]
+    in_channels, out_channels = weight_shape[1], weight_shape[0]
     source_t = w.op("Transpose", [source], perm=channels_first)  # (C, N, spatial...)
     if any(window.begin) or any(window.end):
         source_t = w.op("Pad", [source_t, w.ints([0, 0, *window.begin, 0, 0, *window.end])])
-    rows = w.reshape(w.op("Transpose", [gradient], perm=channels_first), [groups, out_channels // groups, -1])
-    if groups > 1:
-        rows = w.op("Transpose", [rows], perm=[0, 2, 1])  # (G, N*P, M/G)
-    pieces = []
+    rows = w.reshape(w.op("Transpose", [gradient], perm=channels_first), [out_channels, -1])  # (M, N*P)
+    products = []
     for offset in itertools.product(*(range(k) for k in window.kernel)):
         starts = [o * dil for o, dil in zip(offset, window.dilations)]
         ends = [s + (n - 1) * stride + 1 for s, n, stride in zip(starts, out_spatial, window.strides)]
         taken = w.op("Slice", [source_t, w.ints(starts), w.ints(ends), w.ints(spatial_axes), w.ints(window.strides)])
-        if groups == 1:  # (M, N*P) x (C, N*P)^T -> (M, C)
-            piece = w.op("Gemm", [w.reshape(rows, [out_channels, -1]), w.reshape(taken, [in_per_group, -1])],
-                         transB=1)
-        else:  # (G, C/G, N*P) x (G, N*P, M/G) -> (G, C/G, M/G)
-            piece = w.op("MatMul", [w.reshape(taken, [groups, in_per_group, -1]), rows])
-        pieces.append(w.unsqueeze(piece, [-1]))
-    stacked = pieces[0] if len(pieces) == 1 else w.op("Concat", pieces, axis=-1)
-    if groups > 1:
-        stacked = w.op("Transpose", [stacked], perm=[0, 2, 1, 3])  # (G, M/G, C/G, K)
-    w.reshape(stacked, list(weight_shape), output=output)
+        product = w.op("Gemm", [rows, w.reshape(taken, [in_channels, -1])], transB=1)  # (M, C)
+        products.append(w.unsqueeze(product, [-1]))
+    result = products[0] if len(products) == 1 else w.op("Concat", products, axis=-1)  # (M, C, K)
+    w.reshape(result, list(weight_shape), output=output)
+
+
+def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
+                             weight_shape: tuple[int, ...], output: str) -> None:
+    """dW as one Conv: the source with its batch and channels-in-group axes swapped is the input, the gradient
+    (batch and channels swapped) the kernels, one group per convolution group; stride and dilation trade places."""
+    w = c.writer
+    d = len(window.kernel)
+    in_per_group = weight_shape[1]
+    source_spatial = w.op("Slice", [w.op("Shape", [source]), w.ints([2]), w.ints([2 + d])])
+    split = w.op("Reshape", [source, w.op("Concat", [w.ints([0, groups, in_per_group]), source_spatial], axis=0)])
+    swapped = w.op("Transpose", [split], perm=[2, 1, 0, *range(3, 3 + d)])  # (C/G, G, N, spatial...)
+    swapped = w.op("Reshape", [swapped, w.op("Concat", [w.ints([in_per_group, -1]), source_spatial], axis=0)])
+    kernels = w.op("Transpose", [gradient], perm=[1, 0, *range(2, 2 + d)])  # (M, N, out...)
+    full = w.op("Conv", [swapped, kernels], group=groups, strides=list(window.dilations),
+                dilations=list(window.strides), pads=[*window.begin, *window.end])  # (C/G, M, >= kernel)
+    cropped = w.op("Slice", [full, w.ints([0] * d), w.ints(list(window.kernel)), w.ints(list(range(2, 2 + d)))])
+    w.op("Transpose", [cropped], outputs=[output], perm=[1, 0, *range(2, 2 + d)])
 
 
 def _bias_gradient(c: RuleContext, gradient: str, rank: int, output: str) -> None:
     c.writer.reduce("ReduceSum", gradient, _non_channel_axes(rank), keepdims=False, output=output)
 
 
+def _input_gradient(c: RuleContext, dy: str, weight: str, window: _Window, groups: int,
+                    weight_shape: tuple[int, ...], x_spatial: tuple[int, ...], out_spatial: tuple[int, ...],
+                    output: str) -> None:
+    """A convolution's dX: ConvTranspose(dY, W); with stride 1, the equal and faster "full" Conv of dY
+    with W's kernels flipped and its input and output channels swapped within each group."""
+    w = c.writer
+    d = len(window.kernel)
+    pads = [window.span(a) - 1 - window.begin[a] for a in range(d)] + \
+           [window.span(a) - 1 - window.end[a] for a in range(d)]
+    if any(s != 1 for s in window.strides) or min(pads) < 0:
+        w.op("ConvTranspose", [dy, weight], outputs=[output], group=groups,
+             **window.transposed(x_spatial, out_spatial))
+        return
+    out_channels, in_per_group = weight_shape[0], weight_shape[1]
+    per_group = w.reshape(weight, [groups, out_channels // groups, in_per_group, *weight_shape[2:]])
+    swapped = w.op("Transpose", [per_group], perm=[0, 2, 1, *range(3, 3 + d)])
+    swapped = w.reshape(swapped, [groups * in_per_group, out_channels // groups, *weight_shape[2:]])
+    axes = list(range(2, 2 + d))
+    flipped = w.op("Slice", [swapped, w.ints([-1] * d), w.ints([-(2 ** 62)] * d), w.ints(axes), w.ints([-1] * d)])
+    w.op("Conv", [dy, flipped], outputs=[output], group=groups, dilations=list(window.dilations), pads=pads)
+
+
 @rule("ConvGrad")
 def conv_grad(c: RuleContext) -> None:
-    """dX = ConvTranspose(dY, W); dW by im2col and a matrix product; dB = sum of dY."""
+    """dX by a (transposed) convolution of dY; dW by im2col and matrix products; dB = sum of dY."""
     dy, x, weight = c.input(0), c.input(1), c.input(2)
     weight_shape = c.static(weight, what="the shape")
     x_spatial = c.static(x, 2, what="the spatial dims")
@@ -571,8 +611,7 @@ def conv_grad(c: RuleContext) -> None:
     out_spatial = tuple(window.out_size(n, axis) for axis, n in enumerate(x_spatial))
     groups = c.attr("group", 1)
     if c.output(0):
-        c.writer.op("ConvTranspose", [dy, weight], outputs=[c.output(0)], group=groups,
-                    **window.transposed(x_spatial, out_spatial))
+        _input_gradient(c, dy, weight, window, groups, weight_shape, x_spatial, out_spatial, c.output(0))
     if c.output(1):
         _weight_gradient(c, x, dy, window, groups, out_spatial, weight_shape, c.output(1))
     if c.output(2):

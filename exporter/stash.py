@@ -6,9 +6,12 @@ With stashing, the forward returns, besides its outputs, every intermediate tens
 backward needs (the *saved* tensors), and the backward graph takes them instead of
 recomputing: about a quarter less compute per stage, for the memory of the saved tensors.
 
-The split is exact: the backward nodes are those that depend, directly or through other
-nodes, on the gradient seed or on the gradients sent by the next stage; every other node is
-forward. The two graphs together contain every node of the training graph once.
+The split is exact: the forward nodes are those the forward's outputs (boundary outputs,
+running statistics) need, none of which depends on the gradient seed or on the gradients
+sent by the next stage; every other node is backward, including the helpers of the
+gradient (a portable ConvGrad's window slices, say) that read only forward tensors, so
+that the saved tensors are the forward's own activations. The two graphs together contain
+every node of the training graph once.
 """
 
 from __future__ import annotations
@@ -41,14 +44,10 @@ def split_for_stashing(training: onnx.ModelProto, gradient_inputs: set[str], for
     statistics). The backward keeps the training graph's other outputs.
     """
     graph = training.graph
-    seeds = {SEED} | set(gradient_inputs)
-    forward_nodes, backward_nodes, tainted = [], [], set(seeds)
-    for node in graph.node:
-        if any(name in tainted for name in node.input if name):
-            backward_nodes.append(node)
-            tainted.update(name for name in node.output if name)
-        else:
-            forward_nodes.append(node)
+    needed = _needed_for(graph, forward_outputs, {SEED} | set(gradient_inputs))
+    forward_nodes = [node for index, node in enumerate(graph.node) if index in needed]
+    backward_nodes = [node for index, node in enumerate(graph.node) if index not in needed]
+    tainted = {name for node in backward_nodes for name in node.output if name}
     produced_forward = [name for node in forward_nodes for name in node.output if name]
     needed_backward = {name for node in backward_nodes for name in node.input if name}
     graph_outputs = {o.name for o in graph.output}
@@ -64,6 +63,24 @@ def split_for_stashing(training: onnx.ModelProto, gradient_inputs: set[str], for
                      outputs=[o.name for o in graph.output if o.name not in forward_outputs],
                      extra_inputs=_typed(forward, saved))
     return StashGraphs(forward=forward, backward=backward, saved=saved)
+
+
+def _needed_for(graph: onnx.GraphProto, outputs: list[str], seeds: set[str]) -> set[int]:
+    """The positions of the nodes the forward outputs need, among those that depend on no gradient seed."""
+    tainted = set(seeds)
+    for node in graph.node:
+        if any(name in tainted for name in node.input if name):
+            tainted.update(name for name in node.output if name)
+    producers = {name: index for index, node in enumerate(graph.node) for name in node.output
+                 if name and name not in tainted}
+    needed: set[int] = set()
+    pending = [name for name in outputs if name in producers]
+    while pending:
+        index = producers[pending.pop()]
+        if index not in needed:
+            needed.add(index)
+            pending.extend(name for name in graph.node[index].input if name in producers)
+    return needed
 
 
 def _typed(forward: onnx.ModelProto, names: list[str]) -> list[onnx.ValueInfoProto]:

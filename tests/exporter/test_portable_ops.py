@@ -59,6 +59,8 @@ CASES = {
     "conv": conv((2, 6, 6), (4, 2, 3, 3), pads=[1, 1, 1, 1]),
     "conv_stride_dilation": conv((3, 9, 8), (4, 3, 3, 2), strides=[2, 3], dilations=[2, 1], pads=[1, 0, 2, 1]),
     "conv_grouped": conv((4, 6, 6), (6, 2, 3, 3), group=2, pads=[1, 1, 1, 1]),
+    "conv_grouped_wide": conv((32, 5, 5), (8, 16, 3, 3), group=2, pads=[1, 1, 1, 1]),
+    "conv_wide": conv((20, 5, 5), (6, 20, 3, 3), strides=[2, 2]),
     "conv_depthwise_strided": conv((4, 7, 7), (4, 1, 3, 3), group=4, strides=[2, 2], pads=[1, 1, 1, 1]),
     "conv_pointwise": conv((5, 4, 4), (3, 5, 1, 1), bias=False),
     "conv_1d": conv((3, 10), (4, 3, 3), strides=[2]),

@@ -194,6 +194,7 @@ for plan in sys.argv[1:]:
         gradients = chain.gradients()
         chain.step()
     out[plan] = {"losses": losses, "gradients": {k: v.tolist() for k, v in gradients.items()}}
+out["training_build_imported"] = "onnxruntime.training" in sys.modules
 print(json.dumps(out))
 """
 
@@ -219,6 +220,7 @@ def test_every_zoo_model_trains_on_the_board_as_on_this_host(board, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert here.returncode == 0, here.stderr[-3000:]
     board_results, host_results = json.loads(on_board.stdout), json.loads(here.stdout)
+    assert board_results["training_build_imported"] is False
     for name, path_inside in zip(names, inside):
         got, expected = board_results[path_inside], host_results[str(shared / name)]
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5, err_msg=name)
