@@ -4,9 +4,12 @@ Map of the package (the folder layout is the architecture):
 
 - ``edgert/``             the on-device runtime and the coordinator role; needs no ``onnx``
   - ``errors.py``         :class:`EdgertError` and friends: one line a user can act on
-  - ``ort_training.py``   torch-free import of ONNX Runtime's training API
+  - ``ort_import.py``     the one way onnxruntime is imported: stock or training build, never torch, never both
+  - ``ort_training.py``   torch-free import of ONNX Runtime's training API (host only)
+  - ``providers.py``      the execution providers a worker's sessions use (``--providers``)
+  - ``readiness.py``      ``edgert doctor``: is this board ready to be a worker
   - ``manifest.py``       :class:`Manifest`: the on-disk plan format (docs/MANIFEST.md)
-  - ``stage.py``          :class:`StageSession`: one stage's forward/backward over ORT Training
+  - ``stage.py``          :class:`StageSession`: one stage's forward/backward/step on stock onnxruntime
   - ``optimizer.py``      AdamW / SGD with optimizer state readable and writable by name
   - ``schedule.py``       gpipe / 1f1b / async action lists, and ``simulate``
   - ``executor.py``       :class:`StageExecutor`: walks a stage's schedule on the compute thread

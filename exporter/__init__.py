@@ -4,15 +4,20 @@ Map of the package (docs/EXPORTER.md; the plan format is docs/MANIFEST.md):
 
 - ``source.py``     :func:`load_source_model`: read, validate, lower the IR version for ORT 1.19
 - ``normalise.py``  :func:`normalise` -> :class:`TrainableGraph`: the training form of the graph
+- ``recurrent.py``  :func:`unroll_recurrent`: RNN/GRU/LSTM unrolled into standard operators
 - ``analyse.py``    :func:`analyse` -> :class:`ModelAnalysis`: blocks, FLOPs, crossing tensors
 - ``flops.py``      per-node forward FLOPs
 - ``cuts.py``       explicit cuts, or FLOP-balanced cuts
 - ``slice.py``      :func:`slice_stage` -> :class:`StageGraph`: one stage's forward sub-graph
 - ``loss.py``       the real loss (last stage) and the VJP loss (other stages)
 - ``artifacts.py``  :func:`build_stage_artifacts` -> :class:`StageArtifacts`
+- ``portable.py``   :func:`make_portable`: gradient graphs stock onnxruntime runs (or a clear refusal)
+- ``gradient_rules.py`` the standard-operator form of each training-build gradient operator
+- ``graph_writer.py`` :class:`GraphWriter`: unique names, typed constants, opset-aware reductions
 - ``export.py``     :func:`export_plan`: the whole pipeline, writes the plan folder
 - ``stash.py``      the training graph split for activation stashing (no recomputation)
 - ``check.py``      :func:`check_plan`: chained stages against the unsplit model
+- ``check_portable.py`` each stage's portable graphs against the training build's, both memory modes
 - ``merge.py``      :func:`merge_run`: a run's trained stages back into one ONNX model
 - ``profiling.py``  :func:`profile_devices`: ``edgert profile``, units on workers, links
 - ``predictor*.py`` :class:`LatencyPredictor`: block times from op features, learnt online

@@ -16,6 +16,7 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``linkformat.py``  RFC 6690 link format: :class:`Link`, render, parse
 - ``coap_tcp.py``    CoAP over TCP with negotiated large messages (aiocoap transport subclass)
 - ``framing.py``     RFC 8323 framing at the byte level (frame length, options, frame head)
+- ``deadline.py``    ``timeout``: bounding an awaited block on Python 3.10 and newer
 - ``bench.py``       the transport benchmark behind ``edgert bench transport`` / tools/bench_transport.py
 - ``tls.py``         credentials (:class:`TlsCredentials`), the TLS contexts of ``coaps+tcp``, revocation
 - ``oscore.py``      OSCORE for ``coap://``: the protecting client and the 4.01-answering server
