@@ -41,7 +41,7 @@ from edgert.exporter.loss import (
     add_real_loss,
     add_vjp_loss,
 )
-from edgert.exporter.portable import make_portable
+from edgert.exporter.portable import make_portable, tensor_types
 from edgert.exporter.slice import StageGraph, value_info_of
 from edgert.exporter.stash import split_for_stashing
 from edgert.manifest import BoundaryTensor, TrainingConfig
@@ -104,13 +104,17 @@ def build_stage_artifacts(
     user_outputs = [SCALED_LOSS_OUTPUT] + ([LOSS_OUTPUT, stage.outputs[0].name] if stage.is_last else [])
     user_outputs += list(stage.buffer_updates)
     input_gradients = _arrange_outputs(gradient_model, user_outputs, stage, requires_grad)
-    portable = make_portable(gradient_model, f"stage {stage.index} backward") if portable else gradient_model
-    _save(portable, files[BACKWARD])
+    if portable:
+        forward_types = tensor_types(training)  # what onnx knows of the forward, before the training ops
+        portable_model = make_portable(gradient_model, f"stage {stage.index} backward", forward_types)
+    else:
+        portable_model = gradient_model
+    _save(portable_model, files[BACKWARD])
     saved: tuple[str, ...] = ()
     if stage.is_last:
         del files[FORWARD_STASH], files[BACKWARD_STASH]
     else:
-        halves = split_for_stashing(portable, set(output_gradients.values()),
+        halves = split_for_stashing(portable_model, set(output_gradients.values()),
                                     [t.name for t in stage.outputs] + list(stage.buffer_updates))
         _save(halves.forward, files[FORWARD_STASH])
         _save(halves.backward, files[BACKWARD_STASH])

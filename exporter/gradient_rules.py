@@ -194,12 +194,12 @@ def softmax_cross_entropy_grad(c: RuleContext) -> None:
     dy, log_prob, label, weight, bias = (c.input(i) for i in range(5))
     reduction = c.attr("reduction", "mean")
     ignore = c.attr("ignore_index")
-    label = w.cast_like(label, TensorProto.INT64)
+    label = w.cast(label, TensorProto.INT64)
     per_sample: str | None = None  # a weight per sample, shaped like the labels
     if ignore is not None:
         kept = w.op("Not", [w.op("Equal", [label, w.const(ignore)])])
         label = w.op("Where", [kept, label, w.const(0)])
-        per_sample = w.cast_like(kept, c.type_of(log_prob).elem_type)
+        per_sample = w.cast(kept, c.type_of(log_prob).elem_type)
     if weight:
         gathered = w.op("Gather", [weight, label], axis=0)
         per_sample = w.op("Mul", [gathered, per_sample]) if per_sample else gathered
@@ -211,7 +211,7 @@ def softmax_cross_entropy_grad(c: RuleContext) -> None:
         if per_sample:
             count = w.reduce("ReduceSum", per_sample, None, keepdims=False)
         else:
-            count = w.cast_like(w.op("Size", [label]), c.type_of(log_prob).elem_type)
+            count = w.cast(w.op("Size", [label]), c.type_of(log_prob).elem_type)
         factor = w.op("Div", [dy, count])
     elif reduction not in ("sum", "none"):
         raise c.refuse(f"unknown reduction {reduction!r}")
@@ -229,7 +229,7 @@ def softmax_cross_entropy_grad(c: RuleContext) -> None:
 def scale(c: RuleContext) -> None:
     w, x, factor = c.writer, c.input(0), c.input(1)
     if c.type_of(factor).elem_type != c.type_of(x).elem_type:
-        factor = w.cast_like(factor, c.type_of(x).elem_type)
+        factor = w.cast(factor, c.type_of(x).elem_type)
     w.op("Div" if c.attr("scale_down", 0) else "Mul", [x, factor], outputs=[c.output(0)])
 
 
@@ -292,7 +292,7 @@ def gather_grad(c: RuleContext) -> None:
     w = c.writer
     shape, indices, dy = c.input(0), c.input(1), c.input(2)
     q, elem_type = c.type_of(indices).rank, c.type_of(dy).elem_type
-    indices = w.cast_like(indices, TensorProto.INT64)
+    indices = w.cast(indices, TensorProto.INT64)
     axis = c.attr("axis", 0)
     rank = c.static(shape, what="the length")[0]
     axis = axis + rank if axis < 0 else axis
@@ -436,7 +436,7 @@ def batch_norm_grad(c: RuleContext) -> None:
     d_beta = w.reduce("ReduceSum", dy, axes, keepdims=False)
     d_gamma = w.reduce("ReduceSum", w.op("Mul", [dy, x_hat]), axes, keepdims=False)
     if c.output(0):
-        count = w.cast_like(w.op("Div", [w.op("Size", [x]), w.op("Size", [gamma])]), c.type_of(x).elem_type)
+        count = w.cast(w.op("Div", [w.op("Size", [x]), w.op("Size", [gamma])]), c.type_of(x).elem_type)
         gain = w.op("Mul", [gamma, inv_std])
         shrink = w.op("Neg", [w.op("Div", [gain, count])])
         correction = _affine(c, x_hat, w.op("Mul", [shrink, d_gamma]), w.op("Mul", [shrink, d_beta]), gamma)

@@ -105,7 +105,8 @@ class GraphWriter:
     def identity(self, x: str, output: str) -> str:
         return self.op("Identity", [x], outputs=[output])
 
-    def cast_like(self, x: str, elem_type: int) -> str:
+    def cast(self, x: str, elem_type: int) -> str:
+        """``x`` as ``elem_type`` (an ``onnx.TensorProto`` enum)."""
         return self.op("Cast", [x], to=elem_type)
 
     def channel_view(self, x: str, rank: int) -> str:
