@@ -46,3 +46,16 @@ def check_available(providers: tuple[str, ...]) -> tuple[str, ...]:
         raise ProviderError(f"this onnxruntime ({onnxruntime().__version__}) does not offer "
                             f"{', '.join(missing)}; it offers {', '.join(available)}")
     return providers
+
+
+def confirm_loaded(session, requested: tuple[str, ...], what: str) -> None:
+    """Refuse a session that dropped a requested provider.
+
+    onnxruntime lists a provider as available even when its libraries (CUDA, cuDNN) cannot
+    be loaded, and then falls back to the CPU with a warning edgert's logging hides.
+    """
+    dropped = [p for p in requested if p not in session.get_providers()]
+    if dropped:
+        raise ProviderError(f"{what}: onnxruntime could not load {', '.join(dropped)} (its libraries are missing "
+                            f"or do not match this onnxruntime) and would run on the CPU; fix that, or start the "
+                            f"worker with --providers cpu")

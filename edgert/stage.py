@@ -23,7 +23,7 @@ from edgert.errors import StageError
 from edgert.manifest import BATCH, MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig
 from edgert.optimizer import FlatParameters, Optimizer, StateDict, make_optimizer
 from edgert.ort_import import onnxruntime
-from edgert.providers import DEFAULT_PROVIDERS
+from edgert.providers import DEFAULT_PROVIDERS, confirm_loaded
 from edgert.weights import load_state
 
 LOSS_SCALE_INPUT = "loss_scale"
@@ -55,7 +55,9 @@ def _session(path: Path, threads: int, providers: tuple[str, ...]):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=list(providers))
+    session = ort.InferenceSession(str(path), options, providers=list(providers))
+    confirm_loaded(session, providers, path.name)
+    return session
 
 
 class StageSession:

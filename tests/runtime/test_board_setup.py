@@ -58,6 +58,18 @@ def test_a_provider_this_onnxruntime_lacks_is_refused_with_what_it_offers():
         check_available(parse_providers("cuda"))
 
 
+def test_a_session_that_dropped_a_provider_is_refused():
+    from edgert.providers import confirm_loaded
+
+    class FellBackToCpu:  # what onnxruntime does when the CUDA libraries do not load
+        def get_providers(self):
+            return ["CPUExecutionProvider"]
+
+    confirm_loaded(FellBackToCpu(), ("CPUExecutionProvider",), "backward.onnx")
+    with pytest.raises(ProviderError, match="backward.onnx: onnxruntime could not load CUDAExecutionProvider"):
+        confirm_loaded(FellBackToCpu(), ("CUDAExecutionProvider", "CPUExecutionProvider"), "backward.onnx")
+
+
 def test_worker_refuses_a_missing_provider_in_one_line():
     result = CliRunner().invoke(main, ["worker", "--insecure", "--providers", "cuda,cpu"])
     assert result.exit_code == 2
