@@ -13,6 +13,7 @@ Map of the package (docs/EXPORTER.md; the plan format is docs/MANIFEST.md):
 - ``artifacts.py``  :func:`build_stage_artifacts` -> :class:`StageArtifacts`
 - ``portable.py``   :func:`make_portable`: gradient graphs stock onnxruntime runs (or a clear refusal)
 - ``gradient_rules.py`` the standard-operator form of each training-build gradient operator
+- ``convolution_rules.py`` ... of the convolution and pooling ones
 - ``graph_writer.py`` :class:`GraphWriter`: unique names, typed constants, opset-aware reductions
 - ``export.py``     :func:`export_plan`: the whole pipeline, writes the plan folder
 - ``stash.py``      the training graph split for activation stashing (no recomputation)

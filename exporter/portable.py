@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import onnx
 
+from edgert.exporter import convolution_rules  # noqa: F401  (registers its rules in RULES)
 from edgert.exporter.errors import PortabilityError
 from edgert.exporter.gradient_rules import RULES, RuleContext
 from edgert.exporter.graph_writer import GraphWriter, TensorType

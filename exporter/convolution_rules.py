@@ -1,0 +1,220 @@
+"""Standard-operator forms of the training build's convolution and pooling gradients (docs/EXPORTER.md).
+
+``ConvGrad``, ``ConvTransposeGrad`` and ``AveragePoolGrad``, registered in
+``gradient_rules.RULES`` like every other rule. Where speed is won or lost: a
+convolution's dX is a Conv (stride 1) or a ConvTranspose, and its dW either one GEMM per
+kernel offset (wide layers) or one Conv with batch and channels swapped (narrow and
+grouped layers), never a materialised im2col matrix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgert.exporter.gradient_rules import RuleContext, non_channel_axes, rule
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A sliding window's geometry along the spatial axes of one node."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    begin: tuple[int, ...]
+    end: tuple[int, ...]
+
+    def span(self, axis: int) -> int:
+        return (self.kernel[axis] - 1) * self.dilations[axis] + 1
+
+    def out_size(self, size: int, axis: int, ceil: bool = False) -> int:
+        extent = size + self.begin[axis] + self.end[axis] - self.span(axis)
+        steps = -(-extent // self.strides[axis]) if ceil else extent // self.strides[axis]
+        return steps + 1
+
+    def transposed(self, inputs: tuple[int, ...], outputs: tuple[int, ...]) -> dict:
+        """ConvTranspose attributes mapping ``outputs`` positions back onto exactly ``inputs`` positions."""
+        pads_end, extra = [], []
+        for axis, (size, out) in enumerate(zip(inputs, outputs)):
+            total = (out - 1) * self.strides[axis] + self.span(axis) - self.begin[axis]
+            pads_end.append(max(total - size, 0))
+            extra.append(max(size - total, 0))
+        return {"strides": list(self.strides), "dilations": list(self.dilations),
+                "pads": [*self.begin, *pads_end], "output_padding": extra}
+
+
+def _window(c: RuleContext, spatial: tuple[int, ...], kernel: tuple[int, ...]) -> _Window:
+    d = len(kernel)
+    strides = tuple(c.attr("strides", [1] * d))
+    dilations = tuple(c.attr("dilations", [1] * d))
+    pads = list(c.attr("pads", [0] * 2 * d))
+    auto_pad = c.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * 2 * d
+        for axis in range(d):
+            out = -(-spatial[axis] // strides[axis])
+            total = max((out - 1) * strides[axis] + (kernel[axis] - 1) * dilations[axis] + 1 - spatial[axis], 0)
+            small, large = total // 2, total - total // 2
+            pads[axis], pads[axis + d] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad == "VALID":
+        pads = [0] * 2 * d
+    elif auto_pad != "NOTSET":
+        raise c.refuse(f"auto_pad {auto_pad!r} is not supported")
+    return _Window(kernel, strides, dilations, tuple(pads[:d]), tuple(pads[d:]))
+
+
+# Below this many input channels per group, a product per kernel offset is too narrow for a fast GEMM.
+_NARROW_CHANNELS = 16
+
+
+def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
+                     out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
+    """dW[m, c, k] = sum over n, p of gradient[n, m, p] * source_padded[n, c, p * stride + k * dilation].
+
+    A wide layer takes one strided Slice of the (channels-first) source per kernel offset k
+    and one matrix product with the gradient for dW[:, :, k]; a narrow or grouped one is one
+    Conv (:func:`_swapped_weight_gradient`). Either is the work of ORT's ConvGrad (im2col and
+    GEMM) in standard operators.
+    """
+    if groups > 1 or weight_shape[1] < _NARROW_CHANNELS:
+        _swapped_weight_gradient(c, source, gradient, window, groups, weight_shape, output)
+        return
+    w = c.writer
+    d = len(window.kernel)
+    spatial_axes = list(range(2, 2 + d))
+    channels_first = [1, 0, *spatial_axes]
+    in_channels, out_channels = weight_shape[1], weight_shape[0]
+    source_t = w.op("Transpose", [source], perm=channels_first)  # (C, N, spatial...)
+    if any(window.begin) or any(window.end):
+        source_t = w.op("Pad", [source_t, w.ints([0, 0, *window.begin, 0, 0, *window.end])])
+    rows = w.reshape(w.op("Transpose", [gradient], perm=channels_first), [out_channels, -1])  # (M, N*P)
+    products = []
+    for offset in itertools.product(*(range(k) for k in window.kernel)):
+        starts = [o * dil for o, dil in zip(offset, window.dilations)]
+        ends = [s + (n - 1) * stride + 1 for s, n, stride in zip(starts, out_spatial, window.strides)]
+        taken = w.op("Slice", [source_t, w.ints(starts), w.ints(ends), w.ints(spatial_axes), w.ints(window.strides)])
+        product = w.op("Gemm", [rows, w.reshape(taken, [in_channels, -1])], transB=1)  # (M, C)
+        products.append(w.unsqueeze(product, [-1]))
+    result = products[0] if len(products) == 1 else w.op("Concat", products, axis=-1)  # (M, C, K)
+    w.reshape(result, list(weight_shape), output=output)
+
+
+def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
+                             weight_shape: tuple[int, ...], output: str) -> None:
+    """dW as one Conv: the source with its batch and channels-in-group axes swapped is the input, the gradient
+    (batch and channels swapped) the kernels, one group per convolution group; stride and dilation trade places."""
+    w = c.writer
+    d = len(window.kernel)
+    in_per_group = weight_shape[1]
+    source_spatial = w.op("Slice", [w.op("Shape", [source]), w.ints([2]), w.ints([2 + d])])
+    split = w.op("Reshape", [source, w.op("Concat", [w.ints([0, groups, in_per_group]), source_spatial], axis=0)])
+    swapped = w.op("Transpose", [split], perm=[2, 1, 0, *range(3, 3 + d)])  # (C/G, G, N, spatial...)
+    swapped = w.op("Reshape", [swapped, w.op("Concat", [w.ints([in_per_group, -1]), source_spatial], axis=0)])
+    kernels = w.op("Transpose", [gradient], perm=[1, 0, *range(2, 2 + d)])  # (M, N, out...)
+    full = w.op("Conv", [swapped, kernels], group=groups, strides=list(window.dilations),
+                dilations=list(window.strides), pads=[*window.begin, *window.end])  # (C/G, M, >= kernel)
+    cropped = w.op("Slice", [full, w.ints([0] * d), w.ints(list(window.kernel)), w.ints(list(range(2, 2 + d)))])
+    w.op("Transpose", [cropped], outputs=[output], perm=[1, 0, *range(2, 2 + d)])
+
+
+def _bias_gradient(c: RuleContext, gradient: str, rank: int, output: str) -> None:
+    c.writer.reduce("ReduceSum", gradient, non_channel_axes(rank), keepdims=False, output=output)
+
+
+def _input_gradient(c: RuleContext, dy: str, weight: str, window: _Window, groups: int,
+                    weight_shape: tuple[int, ...], x_spatial: tuple[int, ...], out_spatial: tuple[int, ...],
+                    output: str) -> None:
+    """A convolution's dX: ConvTranspose(dY, W); with stride 1, the equal and faster "full" Conv of dY
+    with W's kernels flipped and its input and output channels swapped within each group."""
+    w = c.writer
+    d = len(window.kernel)
+    pads = [window.span(a) - 1 - window.begin[a] for a in range(d)] + \
+           [window.span(a) - 1 - window.end[a] for a in range(d)]
+    if any(s != 1 for s in window.strides) or min(pads) < 0:
+        w.op("ConvTranspose", [dy, weight], outputs=[output], group=groups,
+             **window.transposed(x_spatial, out_spatial))
+        return
+    out_channels, in_per_group = weight_shape[0], weight_shape[1]
+    per_group = w.reshape(weight, [groups, out_channels // groups, in_per_group, *weight_shape[2:]])
+    swapped = w.op("Transpose", [per_group], perm=[0, 2, 1, *range(3, 3 + d)])
+    swapped = w.reshape(swapped, [groups * in_per_group, out_channels // groups, *weight_shape[2:]])
+    axes = list(range(2, 2 + d))
+    flipped = w.op("Slice", [swapped, w.ints([-1] * d), w.ints([-(2 ** 62)] * d), w.ints(axes), w.ints([-1] * d)])
+    w.op("Conv", [dy, flipped], outputs=[output], group=groups, dilations=list(window.dilations), pads=pads)
+
+
+@rule("ConvGrad")
+def conv_grad(c: RuleContext) -> None:
+    """dX by a (transposed) convolution of dY; dW by im2col and matrix products; dB = sum of dY."""
+    dy, x, weight = c.input(0), c.input(1), c.input(2)
+    weight_shape = c.static(weight, what="the shape")
+    x_spatial = c.static(x, 2, what="the spatial dims")
+    window = _window(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
+    out_spatial = tuple(window.out_size(n, axis) for axis, n in enumerate(x_spatial))
+    groups = c.attr("group", 1)
+    if c.output(0):
+        _input_gradient(c, dy, weight, window, groups, weight_shape, x_spatial, out_spatial, c.output(0))
+    if c.output(1):
+        _weight_gradient(c, x, dy, window, groups, out_spatial, weight_shape, c.output(1))
+    if c.output(2):
+        _bias_gradient(c, dy, len(weight_shape), c.output(2))
+
+
+@rule("ConvTransposeGrad")
+def conv_transpose_grad(c: RuleContext) -> None:
+    """ConvTranspose's gradients: dX = Conv(dY, W); dW as a convolution's with dY and X in swapped roles."""
+    dy, x, weight = c.input(0), c.input(1), c.input(2)
+    if c.attr("output_shape") or c.attr("auto_pad", "NOTSET") != "NOTSET":
+        raise c.refuse("only explicit pads are supported (no output_shape, no auto_pad)")
+    weight_shape = c.static(weight, what="the shape")
+    x_spatial = c.static(x, 2, what="the spatial dims")
+    window = _window(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
+    groups = c.attr("group", 1)
+    if c.output(0):
+        c.writer.op("Conv", [dy, weight], outputs=[c.output(0)], group=groups, strides=list(window.strides),
+                    dilations=list(window.dilations), pads=[*window.begin, *window.end])
+    if c.output(1):
+        _weight_gradient(c, dy, x, window, groups, x_spatial, weight_shape, c.output(1))
+    if c.output(2):
+        _bias_gradient(c, dy, len(weight_shape), c.output(2))
+
+
+def _average_counts(window: _Window, spatial: tuple[int, ...], out: tuple[int, ...], include_pad: bool) -> np.ndarray:
+    """How many elements each output of an AveragePool divides by (ORT's rule, per spatial axis)."""
+    per_axis = []
+    for axis, (size, count) in enumerate(zip(spatial, out)):
+        starts = np.arange(count) * window.strides[axis] - window.begin[axis]
+        ends = np.minimum(starts + window.kernel[axis], size + window.end[axis])
+        if not include_pad:
+            starts, ends = np.maximum(starts, 0), np.minimum(ends, size)
+        per_axis.append((ends - starts).astype(np.float64))
+    counts = per_axis[0]
+    for more in per_axis[1:]:
+        counts = np.multiply.outer(counts, more)
+    return counts
+
+
+@rule("AveragePoolGrad", domain="")
+def average_pool_grad(c: RuleContext) -> None:
+    """Spread each dY / window size back over its window: a depthwise ConvTranspose with a ones kernel."""
+    w, dy = c.writer, c.input(0)
+    forward = c.producers.get(dy[: -len("_grad")]) if dy.endswith("_grad") else None
+    if forward is None or forward.op_type != "AveragePool":
+        raise c.refuse(f"no AveragePool produces the tensor whose gradient is {dy!r}")
+    x = forward.input[0]
+    x_shape = c.static(x, 1, what="the channel and spatial dims")
+    channels, spatial = x_shape[0], x_shape[1:]
+    kernel = tuple(c.attr("kernel_shape"))
+    if any(d != 1 for d in c.attr("dilations", [1] * len(kernel))):
+        raise c.refuse("dilated AveragePool is not supported")
+    window = _window(c, spatial, kernel)
+    ceil = bool(c.attr("ceil_mode", 0))
+    out = tuple(window.out_size(n, axis, ceil) for axis, n in enumerate(spatial))
+    counts = _average_counts(window, spatial, out, bool(c.attr("count_include_pad", 0)))
+    dtype = c.type_of(dy).numpy_dtype
+    scaled = w.op("Div", [dy, w.const(counts, dtype, hint="window_sizes")])
+    ones = w.const(np.ones((channels, 1, *kernel)), dtype, hint="ones_kernel")
+    w.op("ConvTranspose", [scaled, ones], outputs=[c.output(0)], group=channels, **window.transposed(spatial, out))
