@@ -63,6 +63,13 @@ class BoundaryTensor:
         """The concrete shape of this tensor for a batch of ``batch`` samples."""
         return tuple(batch if dim == BATCH else int(dim) for dim in self.shape)
 
+    def sample(self, rng: np.random.Generator, batch: int, bound: int = 2) -> np.ndarray:
+        """Random values of this tensor for ``batch`` samples: normal floats, or integers in ``[0, bound)``."""
+        shape = self.shape_for(batch)
+        if np.issubdtype(np.dtype(self.dtype), np.integer):
+            return rng.integers(0, bound, size=shape).astype(self.dtype)
+        return rng.standard_normal(shape).astype(self.dtype)
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 

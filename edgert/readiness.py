@@ -155,15 +155,12 @@ def _plan(plan: Path, providers: str, micro_batch: int) -> Iterator[Finding]:
             what = f"plan stage {entry.index} ({mode})"
             try:
                 session = StageSession(entry, plan, manifest.training, memory_mode=mode, providers=chosen)
-                inputs = {t.name: _random(rng, t, micro_batch) for t in entry.inputs}
-                grads = {t.name: _random(rng, t, micro_batch) for t in entry.outputs
+                inputs = {t.name: t.sample(rng, micro_batch) for t in entry.inputs}
+                grads = {t.name: t.sample(rng, micro_batch) for t in entry.outputs
                          if t.name in entry.output_gradients}
-                labels = {t.name: _random(rng, t, micro_batch, 2) for t in entry.labels} or None
+                labels = {t.name: t.sample(rng, micro_batch) for t in entry.labels} or None
                 start = time.perf_counter()
-                kept: dict[str, np.ndarray] = {}
-                if not entry.is_last:
-                    session.forward(inputs, kept)
-                session.backward(inputs, grads or None, labels, saved=kept or None)
+                session.train_micro_batch(inputs, grads or None, labels)
                 session.step()
                 took = (time.perf_counter() - start) * 1e3
             except Exception as error:  # noqa: BLE001 - ORT raises many types; each is this stage's failure
@@ -171,10 +168,3 @@ def _plan(plan: Path, providers: str, micro_batch: int) -> Iterator[Finding]:
                 continue
             yield Finding(what, OK, f"forward + backward + step of {micro_batch} samples in {took:.1f} ms "
                                     f"(first call, includes warm-up)")
-
-
-def _random(rng: np.random.Generator, tensor, batch: int, bound: int = 2) -> np.ndarray:
-    shape = tensor.shape_for(batch)
-    if np.issubdtype(np.dtype(tensor.dtype), np.integer):
-        return rng.integers(0, bound, size=shape).astype(tensor.dtype)
-    return rng.standard_normal(shape).astype(tensor.dtype)

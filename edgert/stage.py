@@ -160,6 +160,15 @@ class StageSession:
         named = dict(zip(self._backward_outputs, self._backward.run(self._backward_outputs, feeds)))
         return self._collect(named)
 
+    def train_micro_batch(self, inputs: Mapping[str, np.ndarray],
+                          output_gradients: Mapping[str, np.ndarray] | None = None,
+                          labels: Mapping[str, np.ndarray] | None = None, loss_scale: float = 1.0) -> BackwardResult:
+        """A micro-batch's forward (not on the last stage) then backward, as a pipeline runs them back to back."""
+        kept: dict[str, np.ndarray] = {}
+        if not self.entry.is_last:
+            self.forward(inputs, kept)
+        return self.backward(inputs, output_gradients, labels, loss_scale, saved=kept if self.stashing else None)
+
     def _state_feeds(self, wanted: set[str]) -> dict[str, np.ndarray]:
         return {name: value for name, value in self._values.items() if name in wanted}
 

@@ -18,10 +18,16 @@ import numpy as np
 import onnx
 
 from edgert.chain import StageChain
-from edgert.exporter.check_portable import PORTABLE_TOLERANCE, PortableDiff, compare_portable, training_build_gaps
+from edgert.exporter.check_portable import (
+    PORTABLE_TOLERANCE,
+    PortableDiff,
+    compare_portable,
+    relative_difference,
+    training_build_gaps,
+)
 from edgert.exporter.normalise import normalise
 from edgert.exporter.source import from_model_proto
-from edgert.manifest import BoundaryTensor, Manifest, load_manifest
+from edgert.manifest import Manifest, load_manifest
 from edgert.optimizer import FlatParameters, make_optimizer
 from edgert.ort_training import native_stderr_silenced, training_api
 
@@ -136,18 +142,11 @@ def _source_model(plan_dir: Path, manifest: Manifest, model_path: str | Path | N
 
 def _seeded_batch(manifest: Manifest, model: onnx.ModelProto, batch: int, seed: int):
     rng = np.random.default_rng(seed)
-    inputs = {t.name: _random_tensor(rng, t, batch, _index_bound(model, t.name)) for t in manifest.model_input}
+    inputs = {t.name: t.sample(rng, batch, _index_bound(model, t.name)) for t in manifest.model_input}
     prediction = manifest.model_output
     classes = int(prediction.shape[-1])
-    labels = {t.name: _random_tensor(rng, t, batch, classes) for t in manifest.labels}
+    labels = {t.name: t.sample(rng, batch, classes) for t in manifest.labels}
     return inputs, labels
-
-
-def _random_tensor(rng: np.random.Generator, tensor: BoundaryTensor, batch: int, bound: int) -> np.ndarray:
-    shape = tensor.shape_for(batch)
-    if np.issubdtype(np.dtype(tensor.dtype), np.integer):
-        return rng.integers(0, bound, size=shape).astype(tensor.dtype)
-    return rng.standard_normal(shape).astype(tensor.dtype)
 
 
 def _index_bound(model: onnx.ModelProto, name: str) -> int:
@@ -167,17 +166,8 @@ def _stage_diff(stage: int, names: list[str], grads, ref_grads, params, ref_para
 
 
 def _relative(names: list[str], values: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> tuple[float, float]:
-    """Largest absolute difference over a stage's tensors, and that relative to the stage's largest value.
-
-    Relative to the stage rather than to each tensor: a tensor whose exact gradient is zero (a
-    bias before BatchNorm, an attention key bias) holds rounding noise that Adam amplifies,
-    and is meaningless relative to itself.
-    """
-    if not names:
-        return 0.0, 0.0
-    abs_diff = max(float(np.max(np.abs(values[n].astype(np.float64) - reference[n]), initial=0.0)) for n in names)
-    scale = max(float(np.max(np.abs(reference[n]), initial=0.0)) for n in names)
-    return abs_diff, (abs_diff / scale if scale > 0 else abs_diff)
+    """:func:`relative_difference` over a stage's tensors ``names``."""
+    return relative_difference({n: reference[n] for n in names}, values)
 
 
 class _Reference:

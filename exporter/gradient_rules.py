@@ -275,7 +275,7 @@ def _scatter_add_rows(c: RuleContext, shape: str, indices: str, updates: str, el
     """zeros(shape) with ``updates`` added at rows ``indices`` of axis 0 (repeats add up)."""
     w = c.writer
     _needs_reduction_ops(c)
-    zeros = w.op("ConstantOfShape", [shape], value=helper.make_tensor("zero", elem_type, [1], [0]))
+    zeros = w.zeros(shape, elem_type)
     rows = w.op("Gather", [shape, w.const(0)], axis=0)
     wrapped = w.op("Mod", [w.op("Add", [indices, rows]), rows])  # negative indices count from the end
     return w.op("ScatterND", [zeros, w.unsqueeze(wrapped, [-1]), updates], reduction="add")
@@ -320,7 +320,7 @@ def max_pool_grad(c: RuleContext) -> None:
     x = producer.input[0]
     _needs_reduction_ops(c)
     flat_size = w.reshape(w.op("Size", [x]), [1])
-    zeros = w.op("ConstantOfShape", [flat_size], value=helper.make_tensor("zero", c.type_of(dy).elem_type, [1], [0]))
+    zeros = w.zeros(flat_size, c.type_of(dy).elem_type)
     flat = w.op("ScatterElements", [zeros, w.reshape(indices, [-1]), w.reshape(dy, [-1])], axis=0, reduction="add")
     w.reshape(flat, w.op("Shape", [x]), output=c.output(0))
 
@@ -354,8 +354,7 @@ def slice_grad(c: RuleContext) -> None:
     size = w.reduce("ReduceProd", shape, [0], keepdims=False)
     positions = w.reshape(w.op("Range", [w.const(0), size, w.const(1)]), shape)
     sliced = w.op("Slice", [positions, starts, ends] + [n or "" for n in extra])
-    zeros = w.op("ConstantOfShape", [w.reshape(size, [1])],
-                 value=helper.make_tensor("zero", c.type_of(dy).elem_type, [1], [0]))
+    zeros = w.zeros(w.reshape(size, [1]), c.type_of(dy).elem_type)
     flat = w.op("ScatterElements", [zeros, w.reshape(sliced, [-1]), w.reshape(dy, [-1])], axis=0)
     w.reshape(flat, shape, output=c.output(0))
 

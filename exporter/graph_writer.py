@@ -79,6 +79,10 @@ class GraphWriter:
         self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
         return name
 
+    def zeros(self, shape: str, elem_type: int) -> str:
+        """A tensor of zeros of element type ``elem_type`` and the runtime shape ``shape`` (a 1-D int64 tensor)."""
+        return self.op("ConstantOfShape", [shape], value=helper.make_tensor("zero", elem_type, [1], [0]))
+
     def ints(self, values: Sequence[int]) -> str:
         return self.const(np.asarray(list(values), dtype=np.int64), hint="ints")
 

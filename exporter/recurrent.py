@@ -117,8 +117,7 @@ def _unroll(layer: _Layer, w: GraphWriter) -> None:
     if layer.batch_first:
         x = w.op("Transpose", [x], perm=[1, 0, 2])
     batch = w.op("Slice", [w.op("Shape", [x]), w.ints([1]), w.ints([2])])
-    zeros = w.op("ConstantOfShape", [w.op("Concat", [batch, w.ints([layer.hidden])], axis=0)],
-                 value=helper.make_tensor("zero", onnx.TensorProto.FLOAT, [1], [0.0]))
+    zeros = w.zeros(w.op("Concat", [batch, w.ints([layer.hidden])], axis=0), onnx.TensorProto.FLOAT)
     per_direction = len(_DEFAULT_ACTIVATIONS[layer.op])
     outputs, finals, cells = [], [], []
     for d, direction in enumerate(layer.directions):

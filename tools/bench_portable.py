@@ -63,16 +63,13 @@ class StageStep:
         self.entry: StageEntry = manifest.stages[index]
         self.session = StageSession(self.entry, plan, manifest.training, Threads(1, 1), mode)
         rng = np.random.default_rng(0)
-        self.inputs = {t.name: _random(rng, t, batch) for t in self.entry.inputs}
-        self.grads = {t.name: _random(rng, t, batch) for t in self.entry.outputs
+        self.inputs = {t.name: t.sample(rng, batch, 4) for t in self.entry.inputs}
+        self.grads = {t.name: t.sample(rng, batch) for t in self.entry.outputs
                       if t.name in self.entry.output_gradients} or None
-        self.labels = {t.name: _random(rng, t, batch, 2) for t in self.entry.labels} or None
+        self.labels = {t.name: t.sample(rng, batch) for t in self.entry.labels} or None
 
     def __call__(self) -> None:
-        kept: dict[str, np.ndarray] = {}
-        if not self.entry.is_last:
-            self.session.forward(self.inputs, kept)
-        self.session.backward(self.inputs, self.grads, self.labels, saved=kept or None)
+        self.session.train_micro_batch(self.inputs, self.grads, self.labels)
         self.session.step()
 
     def median_seconds(self, repeat: int) -> float:
@@ -82,13 +79,6 @@ class StageStep:
             self()
             times.append(time.perf_counter() - start)
         return float(np.median(times))
-
-
-def _random(rng: np.random.Generator, tensor, batch: int, bound: int = 4) -> np.ndarray:
-    shape = tensor.shape_for(batch)
-    if np.issubdtype(np.dtype(tensor.dtype), np.integer):
-        return rng.integers(0, bound, size=shape).astype(tensor.dtype)
-    return rng.standard_normal(shape).astype(tensor.dtype)
 
 
 def measure(plans: dict[str, Path], index: int, mode: str, batch: int, rounds: int, repeat: int) -> dict:

@@ -91,9 +91,10 @@ def random_feeds(model: onnx.ModelProto, batch: int, seed: int = 0, int_bound: i
     return feeds
 
 
-def compare(forward: onnx.ModelProto, requires_grad: set[str], batch: int = 3, seed: int = 0,
-            int_bound: int = 4, also: tuple[str, ...] = ()) -> tuple[float, onnx.ModelProto]:
-    """Largest difference, relative to the largest value, between the two graphs' gradients (and ``also``)."""
+def both_forms(forward: onnx.ModelProto, requires_grad: set[str], also: tuple[str, ...] = ()
+               ) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The training build's gradient graph (returning the gradients of ``requires_grad`` and ``also``) and its
+    portable form, checked to need only stock operators."""
     original = gradient_graph(forward, requires_grad)
     del original.graph.output[:]
     wanted = [f"{name}_grad" for name in sorted(requires_grad)] + list(also)
@@ -101,6 +102,13 @@ def compare(forward: onnx.ModelProto, requires_grad: set[str], batch: int = 3, s
     portable = make_portable(original, "test", tensor_types(onnx.shape_inference.infer_shapes(forward)))
     opset = next(o.version for o in portable.opset_import if o.domain in ("", "ai.onnx"))
     assert all(runs_on_stock(n, opset) for n in portable.graph.node)
+    return original, portable
+
+
+def compare(forward: onnx.ModelProto, requires_grad: set[str], batch: int = 3, seed: int = 0,
+            int_bound: int = 4, also: tuple[str, ...] = ()) -> tuple[float, onnx.ModelProto]:
+    """Largest difference, relative to the largest value, between the two graphs' gradients (and ``also``)."""
+    original, portable = both_forms(forward, requires_grad, also)
     feeds = random_feeds(forward, batch, seed, int_bound)
     expected, got = run(original, feeds), run(portable, feeds)
     worst = 0.0
@@ -121,10 +129,7 @@ def numeric_reference(forward: onnx.ModelProto, requires_grad: set[str], batch: 
     input, in float32 with a unit step (exact up to rounding).
     """
     step = 1.0 if linear else 1e-6
-    original = gradient_graph(forward, requires_grad)
-    del original.graph.output[:]
-    original.graph.output.extend(helper.make_empty_tensor_value_info(f"{name}_grad") for name in sorted(requires_grad))
-    portable = make_portable(original, "test", tensor_types(onnx.shape_inference.infer_shapes(forward)))
+    _, portable = both_forms(forward, requires_grad)
     feeds = random_feeds(forward, batch, seed)
     got = run(portable, feeds)
     wide = forward if linear else _as_float64(forward)
