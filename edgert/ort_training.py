@@ -26,12 +26,7 @@ def _register_bare_package() -> None:
             "this needs the onnxruntime training build, which only the host has (x86-64, Python 3.11/3.12): "
             f"{HOST_INSTALL}; a board runs stock onnxruntime and needs no training build"
         )
-    onnxruntime()
-
-
-def quiet_logging() -> None:
-    """Keep ORT's informational graph-transformer logs off the console."""
-    onnxruntime()
+    onnxruntime()  # also keeps ORT's informational logs off the console
 
 
 @contextlib.contextmanager
@@ -52,14 +47,12 @@ def native_stderr_silenced() -> Iterator[None]:
 def training_api() -> Any:
     """``onnxruntime.training.api`` (Module, CheckpointState, Optimizer), torch-free."""
     _register_bare_package()
-    quiet_logging()
     return importlib.import_module(f"{TRAINING_PACKAGE}.api")
 
 
 def onnxblock() -> Any:
     """``onnxruntime.training.onnxblock`` (host only: it imports onnx)."""
     _register_bare_package()
-    quiet_logging()
     return importlib.import_module(f"{TRAINING_PACKAGE}.onnxblock")
 
 

@@ -25,7 +25,7 @@ from edgert.exporter.check_portable import (
     relative_difference,
     training_build_gaps,
 )
-from edgert.exporter.normalise import normalise
+from edgert.exporter.normalise import TrainableGraph, normalise
 from edgert.exporter.source import from_model_proto
 from edgert.manifest import Manifest, load_manifest
 from edgert.optimizer import FlatParameters, make_optimizer
@@ -84,11 +84,12 @@ def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps
     source = _source_model(plan_dir, manifest, model_path)
     inputs, labels = _seeded_batch(manifest, source, batch_size, seed)
     with tempfile.TemporaryDirectory(prefix="edgert-check-") as scratch:
-        gaps = training_build_gaps(normalise(from_model_proto(source, "reference")).graph.node)
+        trainable = normalise(from_model_proto(source, "reference"))
+        gaps = training_build_gaps(trainable.graph.node)
         if gaps:
             reference = _PortableReference(source, manifest, Path(scratch), gaps)
         else:
-            reference = _Reference(source, manifest, Path(scratch))
+            reference = _Reference(trainable, manifest, Path(scratch))
         chain = StageChain(plan_dir, manifest)
         portable, portable_notes = compare_portable(plan_dir, manifest, _stage_inputs(chain, inputs), labels, seed)
         losses, ref_losses = [], []
@@ -173,13 +174,12 @@ def _relative(names: list[str], values: dict[str, np.ndarray], reference: dict[s
 class _Reference:
     """The unsplit model, built and trained with ORT's own artifact generator and optimizer."""
 
-    def __init__(self, model: onnx.ModelProto, manifest: Manifest, scratch: Path):
+    def __init__(self, trainable: TrainableGraph, manifest: Manifest, scratch: Path):
         from onnxruntime.training import artifacts
 
         from edgert.ort_training import onnxblock  # noqa: F401  (registers the torch-free package)
 
         self.notes: list[str] = []
-        trainable = normalise(from_model_proto(model, "reference"))
         whole = trainable.model
         keep = manifest.model_output.name
         outputs = [o for o in whole.graph.output if o.name == keep]

@@ -62,11 +62,9 @@ def single_op(op_type: str, inputs: dict[str, tuple[int, list]], params: dict[st
 
 
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    from edgert.ort_training import quiet_logging
+    from edgert.ort_import import onnxruntime as import_onnxruntime
 
-    quiet_logging()
-    import onnxruntime
-
+    onnxruntime = import_onnxruntime()
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
