@@ -16,17 +16,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from edgert.errors import MissingDependencyError
-from edgert.ort_import import HOST_INSTALL, TRAINING_PACKAGE, onnxruntime, training_folder
+from edgert.ort_import import HOST_INSTALL, TRAINING_PACKAGE, onnxruntime, register_training_package, training_folder
 
 
 def _register_bare_package() -> None:
     """Make ``onnxruntime.training`` importable without torch, or say how to get the training build."""
-    if training_folder() is None:
+    training = training_folder()
+    if training is None:
         raise MissingDependencyError(
             "this needs the onnxruntime training build, which only the host has (x86-64, Python 3.11/3.12): "
             f"{HOST_INSTALL}; a board runs stock onnxruntime and needs no training build"
         )
     onnxruntime()  # also keeps ORT's informational logs off the console
+    register_training_package(training)  # onnxruntime may have been imported directly, unregistered
 
 
 @contextlib.contextmanager
@@ -54,6 +56,12 @@ def onnxblock() -> Any:
     """``onnxruntime.training.onnxblock`` (host only: it imports onnx)."""
     _register_bare_package()
     return importlib.import_module(f"{TRAINING_PACKAGE}.onnxblock")
+
+
+def artifacts() -> Any:
+    """``onnxruntime.training.artifacts`` (ORT's own artifact generator, host only)."""
+    _register_bare_package()
+    return importlib.import_module(f"{TRAINING_PACKAGE}.artifacts")
 
 
 def training_graph_utils() -> Any:

@@ -29,7 +29,8 @@ from edgert.exporter.normalise import TrainableGraph, normalise
 from edgert.exporter.source import from_model_proto
 from edgert.manifest import Manifest, load_manifest
 from edgert.optimizer import FlatParameters, make_optimizer
-from edgert.ort_training import native_stderr_silenced, training_api
+from edgert.ort_training import artifacts as ort_artifacts
+from edgert.ort_training import native_stderr_silenced, onnxblock, training_api
 
 DEFAULT_TOLERANCE = 1e-4
 
@@ -175,10 +176,7 @@ class _Reference:
     """The unsplit model, built and trained with ORT's own artifact generator and optimizer."""
 
     def __init__(self, trainable: TrainableGraph, manifest: Manifest, scratch: Path):
-        from onnxruntime.training import artifacts
-
-        from edgert.ort_training import onnxblock  # noqa: F401  (registers the torch-free package)
-
+        artifacts = ort_artifacts()
         self.notes: list[str] = []
         whole = trainable.model
         keep = manifest.model_output.name
@@ -213,8 +211,6 @@ class _Reference:
 
     @staticmethod
     def _write_ort_optimizer(config, trainable, path: Path, whole: onnx.ModelProto) -> None:
-        from edgert.ort_training import onnxblock
-
         blocks = onnxblock()
         initializers = {i.name: i for i in trainable.model.graph.initializer}
         params = [initializers[p] for p in trainable.parameters]
