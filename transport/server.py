@@ -35,6 +35,7 @@ from typing import Any
 
 import aiocoap
 from aiocoap import Message, interfaces, resource
+from aiocoap import error as coap_error
 from aiocoap.blockwise import Block1Spool
 from aiocoap.messagemanager import MessageManager
 from aiocoap.numbers.codes import Code
@@ -176,10 +177,11 @@ class TensorServer:
                 else:
                     bound = await _add_udp_server(context, host, port)
                 self.urls.append(format_url(scheme, host, bound))
-        except OSError as error:  # the port is taken, the address is not this host's...
+        except (OSError, coap_error.NetworkError) as error:  # the port is taken, the address is not this host's
             await self.shutdown()
-            reason = os.strerror(error.errno) if error.errno else str(error)
-            raise OSError(error.errno, f"cannot listen on {format_url(scheme, host, port)}: {reason}") from error
+            errno = getattr(error, "errno", None)
+            reason = os.strerror(errno) if (errno or 0) > 0 else getattr(error, "strerror", None) or str(error)
+            raise OSError(errno, f"cannot listen on {format_url(scheme, host, port)}: {reason}") from error
         except BaseException:
             await self.shutdown()
             raise

@@ -70,6 +70,11 @@ def test_a_worker_on_a_port_in_use_says_so():
     assert_one_line_error(result, f"cannot listen on coap+tcp://127.0.0.1:{port}", "in use")
 
 
+def test_a_worker_on_an_address_of_another_host_says_so():
+    result = edgert("worker", "--insecure", "--listen", "coap+tcp://192.0.2.1:0")  # TEST-NET-1: never this host's
+    assert_one_line_error(result, "cannot listen on coap+tcp://192.0.2.1:0", "address")
+
+
 @pytest.mark.parametrize("command", ["worker", "train"])
 def test_a_listen_port_out_of_range_is_refused(folder, command):
     credential = local_cluster_keys(folder / f"keys-{command}", ["w0"], cluster="cli")[0]
