@@ -13,7 +13,8 @@ Error responses raise the matching :mod:`~edgert.transport.errors` class
 (``NotFound``, ``BadRequest``...). Timeouts and network errors are retried
 ``retries`` times with exponential backoff, then raise :class:`RequestTimeout`
 or :class:`PeerUnreachable`; 5.03 is retried too. A retried POST may arrive twice:
-receivers deduplicate on (run_id, step, microbatch, stage).
+receivers deduplicate on (run_id, step, microbatch, stage). A ``coap+tcp://`` request to a
+TLS server raises :class:`PeerUnreachable` saying the peer speaks TLS (``coaps+tcp://``).
 
 With credentials, ``coap://`` requests are OSCORE-protected (:mod:`~edgert.transport.oscore`);
 the coordinator names the device in the URL: ``coap://NAME@host:port``.
@@ -251,10 +252,9 @@ class TensorClient:
         except coap_error.NetworkError as exc:
             connected = not isinstance(exc.__cause__, OSError)  # the peer took the connection, then hung up
             if scheme == "coap+tcp" and connected and await _speaks_tls(host, port, self.config.connect_timeout):
-                hostinfo = format_url(TLS_SCHEME, host, port).partition("://")[2]
-                raise PeerUnreachable(f"coap+tcp://{hostinfo}: the peer speaks TLS; reach it at "
-                                      f"{TLS_SCHEME}://{hostinfo} with cluster credentials (or start it "
-                                      f"with --insecure for plaintext)") from None
+                raise PeerUnreachable(f"{format_url(scheme, host, port)}: the peer speaks TLS; reach it at "
+                                      f"{format_url(TLS_SCHEME, host, port)} with cluster credentials (or start "
+                                      f"it with --insecure for plaintext)") from None
             raise
 
     def _pool(self, scheme: str) -> coap_tcp.LargeTCPClient:
