@@ -20,7 +20,9 @@ Map of the package (the folder layout is the architecture):
   - ``assignment.py``     stages onto workers, state migration between workers
   - ``replica.py``, ``recovery.py``  copies for recovery; failure detection, snapshots
   - ``weights.py``        :class:`StageState`: a stage's state as one message / file
+  - ``checkpoint.py``     :class:`CheckpointInfo`: a checkpoint folder's ``checkpoint.json``
   - ``devices.py``, ``profiler.py``  devices.json; measuring a stage on this device
+  - ``typed_json.py``     strict JSON -> dataclass loading behind devices.json and checkpoint.json
   - ``data.py``, ``evaluation.py``, ``runlog.py``, ``progress.py``, ``localcluster.py``
   - ``fault_injection.py``, ``recovery_bench.py``  SIGKILLs on cue; the recovery benchmark
   - ``cli/``              the ``edgert`` command line

@@ -11,10 +11,10 @@ evaluates from those copies while the pipeline keeps going.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from pathlib import Path
 
+from edgert.checkpoint import CheckpointInfo, save_checkpoint_info
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME
 from edgert.transport import deadline
@@ -98,8 +98,7 @@ class EvaluationMixin:
                 stale.unlink()
             written = sum(save_state(state, folder / f"stage{k}.cbor", self.run_id) for k, state in enumerate(states))
             self._copy_plan(self.config.out_dir / "plan")
-            (folder / "checkpoint.json").write_text(json.dumps({"step": step, "epoch": epoch,
-                                                                "stages": len(states)}))
+            save_checkpoint_info(CheckpointInfo(step=step, epoch=epoch, stages=len(states)), folder)
             loss, accuracy = await asyncio.get_running_loop().run_in_executor(
                 None, self._evaluator.evaluate, states, self.dataset.x_test, self.dataset.y_test)
         self.log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,

@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgert.errors import EdgertError
+from edgert.errors import EdgertError, FileFormatError
 from edgert.manifest import MEMORY_MODES
+from edgert.typed_json import above, at_least, load_dataclass, not_empty, one_of
 
 FORMAT = "edgert-devices"
 FORMAT_VERSION = 1
@@ -23,20 +24,20 @@ class BlockTiming:
     """One block's measured cost on one device, for one micro-batch of ``DevicesFile.micro_batch``."""
 
     block: str
-    forward_ms: float
-    backward_ms: float  # the backward call: recomputed forward + gradients
-    peak_bytes: int = 0  # memory the block's backward needed beyond the resident state
-    optimizer_ms: float = 0.0  # one optimizer step over the block's parameters
+    forward_ms: float = field(metadata=at_least(0))
+    backward_ms: float = field(metadata=at_least(0))  # the backward call: recomputed forward + gradients
+    peak_bytes: int = field(default=0, metadata=at_least(0))  # memory the backward needed beyond the resident state
+    optimizer_ms: float = field(default=0.0, metadata=at_least(0))  # one optimizer step over the block's parameters
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
     """A device: its measured block times, memory and cores."""
 
-    name: str
+    name: str = field(metadata=not_empty())
     url: str = ""
-    memory_bytes: int = 0  # available for training (0 = unknown, unlimited)
-    cores: int = 1
+    memory_bytes: int = field(default=0, metadata=at_least(0))  # available for training (0 = unknown, unlimited)
+    cores: int = field(default=1, metadata=at_least(1))
     slowdown: str = "0:1"  # emulated slowdown, when the device is an emulation
     blocks: tuple[BlockTiming, ...] = ()
     whole: BlockTiming | None = None  # the whole model as one stage: with the units, a stage's fixed cost
@@ -52,10 +53,10 @@ class DeviceProfile:
 class LinkProfile:
     """A measured link from one device to another (direction matters on Wi-Fi)."""
 
-    source: str
-    target: str
-    bandwidth_bytes_per_s: float
-    rtt_ms: float
+    source: str = field(metadata=not_empty())
+    target: str = field(metadata=not_empty())
+    bandwidth_bytes_per_s: float = field(metadata=above(0))
+    rtt_ms: float = field(metadata=at_least(0))
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,11 @@ class DevicesFile:
 
     model_sha256: str
     blocks: tuple[str, ...]
-    micro_batch: int
+    micro_batch: int = field(metadata=at_least(1))
     devices: tuple[DeviceProfile, ...]
     links: tuple[LinkProfile, ...] = ()
     notes: dict[str, Any] = field(default_factory=dict)
-    memory_mode: str = "recompute"  # how the backward was run (stash: its time includes the forward call)
+    memory_mode: str = field(default="recompute", metadata=one_of(MEMORY_MODES))  # stash: backward includes forward
 
     def device(self, name: str) -> DeviceProfile:
         for device in self.devices:
@@ -87,25 +88,13 @@ class DevicesFile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DevicesFile:
+        """The file's content, every field checked (docs/DEVICES.md); FileFormatError names a bad one."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise EdgertError(f"not an edgert devices file (expected format {FORMAT!r})")
+            raise FileFormatError(f"not an edgert devices file (expected format {FORMAT!r})")
         if data.get("format_version") != FORMAT_VERSION:
-            raise EdgertError(f"devices file version {data.get('format_version')!r} is not supported")
-        memory_mode = data.get("memory_mode", "recompute")
-        if memory_mode not in MEMORY_MODES:
-            raise EdgertError(f"devices file is malformed: memory_mode {memory_mode!r} is not one of "
-                              f"{', '.join(MEMORY_MODES)}")
-        try:
-            devices = tuple(
-                DeviceProfile(**{**d, "blocks": tuple(BlockTiming(**b) for b in d.get("blocks", [])),
-                                 "whole": BlockTiming(**d["whole"]) if d.get("whole") else None})
-                for d in data["devices"])
-            return cls(model_sha256=data["model_sha256"], blocks=tuple(data["blocks"]),
-                       micro_batch=int(data["micro_batch"]), devices=devices,
-                       links=tuple(LinkProfile(**link) for link in data.get("links", [])),
-                       notes=dict(data.get("notes", {})), memory_mode=memory_mode)
-        except (KeyError, TypeError, ValueError) as error:
-            raise EdgertError(f"devices file is malformed: {type(error).__name__}: {error}") from None
+            raise FileFormatError(f"devices file version {data.get('format_version')!r} is not supported")
+        fields = {key: value for key, value in data.items() if key not in ("format", "format_version")}
+        return load_dataclass(cls, fields)
 
 
 def save_devices(devices: DevicesFile, path: str | Path) -> Path:
@@ -115,11 +104,13 @@ def save_devices(devices: DevicesFile, path: str | Path) -> Path:
 
 
 def load_devices(path: str | Path) -> DevicesFile:
+    """Read and check a devices file; every problem is one FileFormatError naming the file and the field."""
     path = Path(path)
     if not path.is_file():
-        raise EdgertError(f"{path}: no such devices file (write one with `edgert profile`)")
+        raise FileFormatError(f"{path}: no such devices file (write one with `edgert profile`)")
     try:
-        data = json.loads(path.read_text())
+        return DevicesFile.from_json(json.loads(path.read_text()))
     except json.JSONDecodeError as error:
-        raise EdgertError(f"{path}: not valid JSON ({error})") from None
-    return DevicesFile.from_json(data)
+        raise FileFormatError(f"{path}: not valid JSON ({error})") from None
+    except FileFormatError as error:
+        raise FileFormatError(f"{path}: {error}") from None

@@ -1,6 +1,8 @@
 """Errors the runtime raises; each carries one line a user can act on.
 
-The CLI prints ``str(error)`` for any :class:`EdgertError` instead of a traceback.
+The CLI prints ``str(error)`` for any :class:`EdgertError` (and any ``OSError``) as one line
+and exits non-zero, instead of a traceback (edgert/cli/__init__.py); other exceptions are bugs
+and keep theirs.
 """
 
 
@@ -22,3 +24,7 @@ class TrainingError(EdgertError):
 
 class MissingDependencyError(EdgertError):
     """An optional dependency (the ``host`` extra, torch) is needed but not installed."""
+
+
+class FileFormatError(EdgertError):
+    """A file edgert reads (devices.json, checkpoint.json, a saved stage state) is missing or malformed."""

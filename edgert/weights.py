@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgert.errors import EdgertError
+from edgert.errors import EdgertError, FileFormatError
 from edgert.optimizer import StateDict
-from edgert.transport import Envelope, decode_envelope, encode_envelope
+from edgert.transport import Envelope, ResponseError, decode_envelope, encode_envelope
 from edgert.transport.limits import Limits
 
 KIND = "weights"
@@ -72,7 +72,12 @@ def save_state(state: StageState, path: Path, run_id: str = "") -> int:
 
 
 def load_state(path: Path) -> StageState:
-    """Read a stage state written by :func:`save_state`."""
+    """Read a stage state written by :func:`save_state`; a damaged file is a FileFormatError naming it."""
     if not path.is_file():
-        raise EdgertError(f"{path}: no such checkpoint file")
-    return StageState.from_envelope(decode_envelope(path.read_bytes(), FILE_LIMITS))
+        raise FileFormatError(f"{path}: no such checkpoint file")
+    try:
+        return StageState.from_envelope(decode_envelope(path.read_bytes(), FILE_LIMITS))
+    except ResponseError as error:  # what the decoder says of a bad message, without its CoAP code
+        raise FileFormatError(f"{path}: damaged stage state: {error.diagnostic}") from None
+    except EdgertError as error:
+        raise FileFormatError(f"{path}: {error}") from None

@@ -8,13 +8,13 @@ trained value. It runs in plain onnxruntime and matches the stages chained.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from edgert.checkpoint import CHECKPOINT_NAME, load_checkpoint_info
 from edgert.exporter.errors import ExportError
 from edgert.exporter.source import load_source_model
 from edgert.manifest import load_manifest
@@ -30,19 +30,19 @@ def merge_run(run_dir: str | Path, out_path: str | Path, checkpoint: str = "late
     if source.sha256 != manifest.source_sha256:
         raise ExportError(f"{plan / 'source.onnx'} is not the model the run's plan was cut from")
     folder = run_dir / "checkpoints" / checkpoint
-    if not (folder / "checkpoint.json").is_file():
+    if not (folder / CHECKPOINT_NAME).is_file():
         raise ExportError(f"{run_dir}: no checkpoint {checkpoint!r} (the run saves one after each epoch)")
-    info = json.loads((folder / "checkpoint.json").read_text())
+    info = load_checkpoint_info(folder)
     values: dict[str, np.ndarray] = {}
     for stage in manifest.stages:
         values.update(load_state(folder / f"stage{stage.index}.cbor").parameters)
     model = source.model
     replaced = _replace_initializers(model, values)
     _inference_form(model)
-    model.metadata_props.add(key="edgert.trained_steps", value=str(info.get("step", -1) + 1))
+    model.metadata_props.add(key="edgert.trained_steps", value=str(info.step + 1))
     onnx.checker.check_model(model)
     onnx.save(model, str(out_path))
-    return {"replaced": replaced, "step": int(info.get("step", -1))}
+    return {"replaced": replaced, "step": info.step}
 
 
 def _replace_initializers(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> int:

@@ -11,6 +11,8 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``errors.py``      :class:`TransportError` and the CoAP-coded errors (``NotFound`` = 4.04 ...)
 - ``message.py``     :class:`Request` (what handlers get) and :class:`Response` (what both sides return)
 - ``server.py``      :class:`TensorServer`: resources, ``/.well-known/core``
+- ``urls.py``        :func:`parse_url`, :func:`format_url`: the one parser of ``coap+tcp://``, ``coaps+tcp://``,
+  ``coap://`` URLs
 - ``client.py``      :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`
 - ``observe.py``     RFC 7641: :class:`Observation` (client side), :class:`Observable` (server side)
 - ``linkformat.py``  RFC 6690 link format: :class:`Link`, render, parse

@@ -13,7 +13,8 @@ Error responses raise the matching :mod:`~edgert.transport.errors` class
 (``NotFound``, ``BadRequest``...). Timeouts and network errors are retried
 ``retries`` times with exponential backoff, then raise :class:`RequestTimeout`
 or :class:`PeerUnreachable`; 5.03 is retried too. A retried POST may arrive twice:
-receivers deduplicate on (run_id, step, microbatch, stage).
+receivers deduplicate on (run_id, step, microbatch, stage). A ``coap+tcp://`` request to a
+TLS server raises :class:`PeerUnreachable` saying the peer speaks TLS (``coaps+tcp://``).
 
 With credentials, ``coap://`` requests are OSCORE-protected (:mod:`~edgert.transport.oscore`);
 the coordinator names the device in the URL: ``coap://NAME@host:port``.
@@ -31,6 +32,7 @@ client that lives on a loop in another thread.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Coroutine, Mapping
@@ -58,8 +60,8 @@ from edgert.transport.message import Response
 from edgert.transport.observe import Observation
 from edgert.transport.oscore import OscoreRequests
 from edgert.transport.oscore_keys import OscoreKeys
-from edgert.transport.server import parse_url
 from edgert.transport.tls import TlsCredentials
+from edgert.transport.urls import format_url, parse_url
 
 Payload = Envelope | bytes | bytearray | memoryview | None
 """A request body: an envelope (encoded here) or raw bytes; tensors and memoryviews are referenced, not copied."""
@@ -224,7 +226,7 @@ class TensorClient:
                     uri_query: tuple[str, ...], body: Body, content_format: int | None) -> Response:
         if scheme in ("coap+tcp", TLS_SCHEME):
             host, port = aiocoap.util.hostportsplit(hostinfo)
-            connection = await self._pool(scheme).connection(host, port)
+            connection = await self._connection(scheme, host, port)
             if sum(map(len, body)) + HEAD_SLACK <= connection.peer_max_message_size:
                 message = self._message(code, scheme, hostinfo, uri_path, uri_query, b"", content_format)
                 message.remote = connection
@@ -242,6 +244,18 @@ class TensorClient:
         if scheme == "coap":
             self._udp_remotes[hostinfo] = response.remote
         return Response.from_message(response)
+
+    async def _connection(self, scheme: str, host: str, port: int) -> coap_tcp.LargeTcpConnection:
+        """The pooled connection to a TCP peer; says so when a plaintext one reached a TLS server."""
+        try:
+            return await self._pool(scheme).connection(host, port)
+        except coap_error.NetworkError as exc:
+            connected = not isinstance(exc.__cause__, OSError)  # the peer took the connection, then hung up
+            if scheme == "coap+tcp" and connected and await _speaks_tls(host, port, self.config.connect_timeout):
+                raise PeerUnreachable(f"{format_url(scheme, host, port)}: the peer speaks TLS; reach it at "
+                                      f"{format_url(TLS_SCHEME, host, port)} with cluster credentials (or start "
+                                      f"it with --insecure for plaintext)") from None
+            raise
 
     def _pool(self, scheme: str) -> coap_tcp.LargeTCPClient:
         if scheme == TLS_SCHEME:
@@ -402,6 +416,21 @@ class SyncClient:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+async def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether (host, port) completes a TLS handshake: a TLS server closes a plaintext CoAP
+    connection without a byte, so only asking it in TLS tells it from a server that failed."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # nothing is sent over it: the handshake is the whole question
+    try:
+        async with deadline.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port, ssl=context, server_hostname="")
+    except (OSError, asyncio.TimeoutError):  # ssl.SSLError is an OSError
+        return False
+    writer.transport.abort()
+    return True
 
 
 def _method_code(method: str) -> Code:

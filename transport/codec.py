@@ -12,14 +12,14 @@ spec        what is sent                                               state
 ``fp16``    float16 values                                             none
 ``int8``    int8 codes, affine ``x = (q - zero) * scale`` (ONNX         none
             DequantizeLinear semantics); per tensor, or per channel
-            with ``int8:axis=1`` (per tensor for tensors without
-            that axis)
+            with ``int8:axis=1`` or ``int8:1`` (per tensor for
+            tensors without that axis)
 ``int4``    as int8 with codes in [-8, 7], two per byte (low nibble      none
             first), ``int4:axis=1`` for per channel
 ``topk``    the k largest-magnitude entries of ``x + residual`` as      residual per
             (flat index, value); the rest is kept as residual and        tensor name
-            added next time (error feedback); ``topk:ratio=0.01`` or
-            ``topk:k=1000``
+            added next time (error feedback); ``topk:ratio=0.01``
+            (or ``topk:0.01``) or ``topk:k=1000``
 ==========  =========================================================  ==========
 
 Encoders are objects (:func:`get_codec`), decoders are stateless
@@ -47,6 +47,8 @@ class Codec(ABC):
     """Encodes one float tensor into codec fields; ``spec`` round-trips through :func:`get_codec`."""
 
     name: ClassVar[str]
+    positional: ClassVar[str | None] = None
+    """The parameter a bare value in a spec stands for (``topk:0.1`` is ``topk:ratio=0.1``)."""
 
     @property
     def spec(self) -> str:
@@ -102,6 +104,7 @@ class AffineCodec(Codec):
 
     qmin: ClassVar[int]
     qmax: ClassVar[int]
+    positional = "axis"
 
     def __init__(self, axis: int | None = None) -> None:
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
@@ -221,6 +224,7 @@ class TopKCodec(Codec):
     """Top-k sparsification with error feedback, for gradients; keeps a residual per tensor name."""
 
     name = "topk"
+    positional = "ratio"
 
     def __init__(self, ratio: float | None = None, k: int | None = None) -> None:
         if (ratio is None) == (k is None):
@@ -291,7 +295,8 @@ _DECODERS = {"fp16": Fp16Codec.decode, "int8": Int8Codec.decode, "int4": Int4Cod
 
 
 def get_codec(spec: str | Codec | None) -> Codec:
-    """A codec from a spec (``int8``, ``int8:axis=1``, ``topk:ratio=0.01``, ``topk:k=100``) or instance."""
+    """A codec from a spec (``int8``, ``int8:axis=1``, ``topk:ratio=0.01``, ``topk:k=100``, ``topk:0.01``) or
+    instance; the one parser of specs, for the command line and the worker alike. Raises ValueError."""
     if spec is None:
         return NoCodec()
     if isinstance(spec, Codec):
@@ -303,15 +308,26 @@ def get_codec(spec: str | Codec | None) -> Codec:
     if cls is None:
         raise ValueError(f"unknown codec {name!r} in spec {spec!r} (known: {', '.join(CODECS)})")
     kwargs: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in params.split(","))):
+    for position, item in enumerate(filter(None, (p.strip() for p in params.split(",")))):
         key, eq, raw = item.partition("=")
-        if not eq:
-            raise ValueError(f"codec parameter {item!r} in {spec!r} must be key=value")
+        if not eq and position == 0 and cls.positional is not None and _is_number(item):
+            key, raw = cls.positional, item
+        elif not eq:
+            hint = f" or a number ({name}:{cls.positional}=N)" if cls.positional else ""
+            raise ValueError(f"codec parameter {item!r} in {spec!r} must be key=value{hint}")
         kwargs[key.strip()] = _parse_number(raw.strip(), spec)
     try:
         return cls(**kwargs)
     except TypeError as exc:
         raise ValueError(f"bad parameters for codec {name!r} in {spec!r}: {exc}") from None
+
+
+def _is_number(raw: str) -> bool:
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True
 
 
 def _parse_number(raw: str, spec: str) -> int | float:

@@ -112,6 +112,10 @@ class ServiceUnavailable(ResponseError):
     code = Code.SERVICE_UNAVAILABLE
 
 
+class InvalidUrl(TransportError, ValueError):
+    """A URL that is not ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port`` (see urls.py)."""
+
+
 class RequestTimeout(TransportError):
     """No response arrived within the timeout, after all retries."""
 

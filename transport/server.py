@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
-import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import aiocoap
 from aiocoap import Message, interfaces, resource
+from aiocoap import error as coap_error
 from aiocoap.blockwise import Block1Spool
 from aiocoap.messagemanager import MessageManager
 from aiocoap.numbers.codes import Code
@@ -61,13 +62,13 @@ from edgert.transport.observe import Observable
 from edgert.transport.oscore import UNPROTECTED, OscoreAddress, OscoreSite
 from edgert.transport.oscore_keys import OscoreKeys
 from edgert.transport.tls import PeerIdentity, TlsCredentials
+from edgert.transport.urls import format_url, parse_url
 
 log = logging.getLogger("edgert.transport.server")
 
 HandlerResult = Response | Envelope | bytes | bytearray | str | None
 Handler = Callable[[Request], Awaitable[HandlerResult]]
 
-SCHEMES = ("coap+tcp", TLS_SCHEME, "coap")
 METHODS = ("GET", "POST", "PUT", "DELETE", "FETCH")
 WELL_KNOWN_CORE = ".well-known/core"
 
@@ -176,6 +177,11 @@ class TensorServer:
                 else:
                     bound = await _add_udp_server(context, host, port)
                 self.urls.append(format_url(scheme, host, bound))
+        except (OSError, coap_error.NetworkError) as error:  # the port is taken, the address is not this host's
+            await self.shutdown()
+            errno = getattr(error, "errno", None)
+            reason = os.strerror(errno) if (errno or 0) > 0 else getattr(error, "strerror", None) or str(error)
+            raise OSError(errno, f"cannot listen on {format_url(scheme, host, port)}: {reason}") from error
         except BaseException:
             await self.shutdown()
             raise
@@ -197,7 +203,7 @@ class TensorServer:
         self.urls = []
         for task in list(self._tasks):
             task.cancel()
-        if context is not None:
+        if context is not None and context.request_interfaces:  # aiocoap fails on a context with none
             await context.shutdown()
         oscore, self._oscore = self._oscore, None
         if oscore is not None:
@@ -414,26 +420,6 @@ class _Root(interfaces.Resource):
 
 
 # -- helpers ----------------------------------------------------------------------
-
-
-def parse_url(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port``; raises ValueError."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise ValueError(f"URL {url!r}: scheme must be one of {', '.join(SCHEMES)}")
-    if not parts.hostname:
-        raise ValueError(f"URL {url!r} has no host")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"URL {url!r} has an invalid port") from None
-    default = coap_tcp.COAPS_PORT if parts.scheme == TLS_SCHEME else 5683
-    return parts.scheme, parts.hostname, default if port is None else port
-
-
-def format_url(scheme: str, host: str, port: int) -> str:
-    """``scheme://host:port`` with IPv6 literals in brackets."""
-    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def _add_udp_server(context: aiocoap.Context, host: str, port: int) -> int:

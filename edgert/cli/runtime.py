@@ -14,6 +14,7 @@ import click
 
 from edgert.cli import main
 from edgert.cli.keys import INSECURE_WARNING, default_listen, host_keys, worker_credentials
+from edgert.cli.params import CoapUrl, CoapUrlList, CodecSpec
 
 
 def _logging(level: str) -> None:
@@ -22,7 +23,7 @@ def _logging(level: str) -> None:
 
 
 @main.command("worker")
-@click.option("--listen", default=None,
+@click.option("--listen", type=CoapUrl(), default=None,
               help="URL to serve on (default coaps+tcp://0.0.0.0:5701, or coap+tcp://... with --insecure; "
                    "port 0 picks a free port). coap://... with a credential takes OSCORE requests from the "
                    "coordinator only.")
@@ -34,7 +35,8 @@ def _logging(level: str) -> None:
 @click.option("--slowdown-schedule", default=None, help='Slowdown by step, e.g. "0:1,30:8".')
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where received stage files go (default: a temporary folder).")
-@click.option("--join", default=None, help="URL of a running coordinator to join (its --listen address).")
+@click.option("--join", type=CoapUrl(), default=None,
+              help="URL of a running coordinator to join (its --listen address).")
 @click.option("--advertise", default=None, help="Host the coordinator and peers reach this worker at.")
 @click.option("--providers", default="cpu", show_default=True, envvar="EDGERT_PROVIDERS",
               help="onnxruntime execution providers, best first, e.g. cuda,cpu on a Jetson with onnxruntime-gpu "
@@ -89,7 +91,7 @@ async def _serve(worker) -> None:
 
 @main.command("train")
 @click.argument("plan", type=click.Path(exists=True, file_okay=False, path_type=Path), required=False)
-@click.option("--workers", default=None, help="Worker URLs in stage order, comma-separated.")
+@click.option("--workers", type=CoapUrlList(), default=None, help="Worker URLs in stage order, comma-separated.")
 @click.option("--data", default="digits", show_default=True, help="digits, tokens, or a .npz (x, y[, x_test, y_test]).")
 @click.option("--epochs", type=int, default=5, show_default=True)
 @click.option("--steps", type=int, default=None, help="Stop after this many optimizer steps.")
@@ -98,15 +100,17 @@ async def _serve(worker) -> None:
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=None, help="Override the plan's learning rate.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--codec", default="none", show_default=True, help="Codec for activations (none, fp16, int8, int4).")
-@click.option("--grad-codec", default="none", show_default=True, help="Codec for gradients (none, fp16, int8, topk:R).")
+@click.option("--codec", type=CodecSpec(), default="none", show_default=True,
+              help="Codec for activations: none, fp16, int8, int4 (int8:axis=1: per channel).")
+@click.option("--grad-codec", type=CodecSpec(), default="none", show_default=True,
+              help="Codec for gradients: none, fp16, int8, int4, topk:RATIO (e.g. topk:0.01) or topk:k=N.")
 @click.option("--threads", type=int, default=1, show_default=True, help="ORT intra-op threads per worker session.")
 @click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True,
               help="recompute: keep each in-flight micro-batch's inputs, recompute its forward in the backward; "
                    "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/run"),
               show_default=True, help="Run folder (metrics.jsonl, trace.json, checkpoints).")
-@click.option("--listen", default=None,
+@click.option("--listen", type=CoapUrl(), default=None,
               help="Where workers report to (default coaps+tcp://0.0.0.0:0, coap+tcp://... with --insecure).")
 @click.option("--keys", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Cluster keystore (default $EDGERT_KEYS or ~/.edgert/cluster; edgert keys init).")
@@ -189,7 +193,7 @@ def print_summary(summary, as_json: bool) -> None:
 
 @main.command("profile")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--workers", required=True, help="Worker URLs, comma-separated.")
+@click.option("--workers", type=CoapUrlList(), required=True, help="Worker URLs, comma-separated.")
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--micro-batch", type=int, default=16, show_default=True, help="Samples per measured micro-batch.")
 @click.option("--repeats", type=int, default=5, show_default=True)

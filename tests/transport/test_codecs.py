@@ -106,7 +106,10 @@ def test_codec_spec_parsing():
     assert get_codec("topk:ratio=0.05").spec == "topk:ratio=0.05"
     assert get_codec("topk:k=10").spec == "topk:k=10"
     assert get_codec(None).spec == "none"
+    assert get_codec("topk:0.1").spec == "topk:ratio=0.1"  # the bare value is the codec's first parameter
+    assert get_codec("int4:1").spec == "int4:axis=1"
     for spec, message in [("zip", "unknown codec 'zip'"), ("int8:axis", "must be key=value"),
+                          ("fp16:1", "must be key=value$"), ("topk:0.1,0.2", "must be key=value"),
                           ("int8:axis=x", "not a number"), ("topk:ratio=2", "ratio must be in"),
                           ("topk:ratio=0.1,k=3", "not both"), ("fp16:axis=1", "bad parameters")]:
         with pytest.raises(ValueError, match=message):
