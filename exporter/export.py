@@ -21,7 +21,7 @@ from edgert.exporter.cuts import balanced_cuts, resolve_cuts
 from edgert.exporter.errors import ExportError
 from edgert.exporter.normalise import normalise
 from edgert.exporter.slice import StageGraph, slice_stage, stage_ranges
-from edgert.exporter.source import SourceModel, load_source_model
+from edgert.exporter.source import SOURCE_FILE, SourceModel, load_source_model
 from edgert.manifest import (
     ArtifactFile,
     BoundaryTensor,
@@ -34,7 +34,6 @@ from edgert.manifest import (
 )
 
 Progress = Callable[[str], None]
-SOURCE_FILE = "source.onnx"
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def choose_cuts(analysis: ModelAnalysis, options: ExportOptions) -> list[int]:
         if options.stages is not None and options.stages != len(options.cuts) + 1:
             raise ExportError(f"--stages {options.stages} disagrees with {len(options.cuts)} explicit cut(s)")
         return resolve_cuts(analysis, list(options.cuts))
-    return balanced_cuts(analysis, options.stages or 1)
+    return balanced_cuts(analysis, 1 if options.stages is None else options.stages)
 
 
 def export_plan(
@@ -68,9 +67,9 @@ def export_plan(
 ) -> Manifest:
     """Export ``model_path`` into the plan folder ``out_dir`` and return its manifest."""
     source = load_source_model(model_path)
-    for note in source.notes:
-        progress(note)
     analysis = prepare_analysis(source, options)
+    for note in analysis.trainable.notes:
+        progress(note)
     cuts = choose_cuts(analysis, options)
     return write_plan(source, analysis, cuts, Path(out_dir), options.training, progress)
 

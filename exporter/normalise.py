@@ -3,6 +3,8 @@
 Models exported by others rarely come in training form. This module:
 - names every node uniquely (cuts and errors refer to node names);
 - turns ``Constant`` nodes into initializers (constants may be copied into any stage);
+- gives every initializer that an exporter merged into another because their values were
+  equal (an ``Identity`` of an initializer) its own copy again: they are separate parameters;
 - unrolls ``RNN``/``GRU``/``LSTM`` into standard operators (exporter.recurrent), whose
   gradients every onnxruntime build runs;
 - removes ``Dropout`` (a stage's backward recomputes its forward, so the forward must be
@@ -62,14 +64,18 @@ def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGra
     model = onnx.ModelProto()
     model.CopyFrom(source.model)
     notes = list(source.notes)
-    frozen = tuple(frozen) + _frozen_by_metadata(model)
+    by_metadata = _frozen_by_metadata(model)
     _name_nodes(model.graph)
     constants = _constants_to_initializers(model.graph)
+    notes += separate_deduplicated(model.graph, constants)
     notes += unroll_recurrent(model)
     notes += _remove_dropout(model.graph)
+    notes += _folded_batchnorm_note(model.graph)
     buffer_updates = _batchnorm_training_form(model.graph)
     _layernorm_training_form(model.graph)
-    _check_frozen(model.graph, frozen)
+    _check_frozen(model.graph, tuple(frozen), "--frozen")
+    _check_frozen(model.graph, by_metadata, f"{source.path}: the model's edgert.frozen metadata")
+    frozen = tuple(frozen) + by_metadata
     parameters, buffers = _classify_initializers(model.graph, constants, set(frozen), buffer_updates)
     if not parameters:
         raise ModelLoadError("the model has no trainable parameters (no float initializers)")
@@ -111,6 +117,38 @@ def _constants_to_initializers(graph: onnx.GraphProto) -> set[str]:
     return constants
 
 
+def separate_deduplicated(graph: onnx.GraphProto, constants: set[str] | None = None) -> list[str]:
+    """Replace each ``Identity`` of an initializer by an initializer of its own holding the same value.
+
+    ``torch.onnx.export`` with constant folding keeps one of several equal-valued parameters
+    (zero biases, copied layers) and reads the others through ``Identity``; trained tied, they
+    would stay equal. ``constants`` (names not to train) gains the copies of constants.
+    """
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    graph_outputs = {output.name for output in graph.output}
+    kept, separated = [], []
+    for node in graph.node:  # nodes are in topological order: a chain of Identity nodes resolves link by link
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx") or node.input[0] not in initializers \
+                or node.output[0] in graph_outputs or node.output[0] in initializers:
+            kept.append(node)
+            continue
+        copy = onnx.TensorProto()
+        copy.CopyFrom(initializers[node.input[0]])
+        copy.name = node.output[0]
+        graph.initializer.append(copy)
+        initializers[copy.name] = copy
+        if constants is not None and node.input[0] in constants:
+            constants.add(copy.name)
+        separated.append(copy.name)
+    if not separated:
+        return []
+    del graph.node[:]
+    graph.node.extend(kept)
+    shown = ", ".join(separated[:3]) + (", ..." if len(separated) > 3 else "")
+    return [f"{len(separated)} initializer(s) the exporter had merged with an equal one ({shown}) "
+            "became separate initializers again: they train as separate parameters"]
+
+
 def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto:
     attribute = node.attribute[0]
     value = helper.get_attribute_value(attribute)
@@ -145,6 +183,20 @@ def _remove_dropout(graph: onnx.GraphProto) -> list[str]:
 
 def _is_used(graph: onnx.GraphProto, name: str) -> bool:
     return any(name in n.input for n in graph.node) or any(o.name == name for o in graph.output)
+
+
+def _folded_batchnorm_note(graph: onnx.GraphProto) -> list[str]:
+    """Say so when BatchNorm looks folded into convolutions (torch names the folded weights ``onnx::Conv_*``)."""
+    if any(node.op_type == "BatchNormalization" for node in graph.node):
+        return []
+    folded = [node.input[1] for node in graph.node
+              if node.op_type == "Conv" and len(node.input) > 1 and node.input[1].startswith("onnx::Conv_")]
+    if not folded:
+        return []
+    return [f"{len(folded)} convolution(s) read weights named onnx::Conv_*, as an eval-mode export writes when it "
+            "folds BatchNorm into them: they train as plain convolutions, without batch statistics; to train "
+            "BatchNorm, export with training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False "
+            "(docs/EXPORTER.md)"]
 
 
 def _batchnorm_training_form(graph: onnx.GraphProto) -> dict[str, str]:
@@ -182,11 +234,11 @@ def _set_int_attribute(node: onnx.NodeProto, name: str, value: int) -> None:
     node.attribute.append(helper.make_attribute(name, value))
 
 
-def _check_frozen(graph: onnx.GraphProto, frozen: tuple[str, ...]) -> None:
+def _check_frozen(graph: onnx.GraphProto, frozen: tuple[str, ...], origin: str) -> None:
     names = {i.name for i in graph.initializer}
     unknown = [f for f in frozen if f not in names]
     if unknown:
-        raise ModelLoadError(f"--frozen names no initializer: {', '.join(unknown)}")
+        raise ModelLoadError(f"{origin} names no initializer: {', '.join(unknown)}")
 
 
 def _classify_initializers(
