@@ -13,7 +13,10 @@ Models exported by others rarely come in training form. This module:
   the runtime copies back into the running statistics after each micro-batch;
 - gives ``LayerNormalization`` its ``Mean`` and ``InvStdDev`` outputs;
 - decides which initializers are trainable parameters, which are running statistics
-  (buffers), and which are constants; and infers shapes.
+  (buffers), and which are constants;
+- computes what depends on constants alone (a causal mask, a frozen scale) into
+  initializers, which any stage may copy, instead of a tensor one stage sends another;
+- infers shapes.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGra
     parameters, buffers = _classify_initializers(model.graph, constants, set(frozen), buffer_updates)
     if not parameters:
         raise ModelLoadError("the model has no trainable parameters (no float initializers)")
+    _fold_constants(model, set(parameters) | set(buffers))
     model = _infer_shapes(model)
     return TrainableGraph(model, parameters, buffers, buffer_updates, notes)
 
@@ -259,6 +263,46 @@ def _classify_initializers(
         if tensor.data_type in FLOAT_TYPES and int(np.prod(tensor.dims)) > 1 and differentiable_uses[name]:
             parameters.append(name)
     return parameters, [b for b in (i.name for i in graph.initializer) if b in buffers]
+
+
+def _fold_constants(model: onnx.ModelProto, state: set[str]) -> None:
+    """Replace nodes that read only constant initializers by initializers holding their outputs.
+
+    ``state`` (parameters and running statistics) and the graph inputs vary; a node with no
+    inputs (RandomNormal...) varies too. Left as it is when the reference evaluator cannot run it.
+    """
+    graph = model.graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    varying = {i.name for i in graph.input if i.name not in initializers} | state
+    folded, kept = [], []
+    for node in graph.node:
+        if node.input and not any(name in varying for name in node.input if name) and node.domain in ("", "ai.onnx"):
+            folded.append(node)
+        else:
+            kept.append(node)
+            varying |= set(node.output)
+    if not folded:
+        return
+    produced = {name for node in folded for name in node.output if name}
+    needed = [name for name in dict.fromkeys(n for node in kept for n in node.input)
+              if name in produced] + [o.name for o in graph.output if o.name in produced]
+    try:
+        values = _evaluate(model, folded, initializers, needed)
+    except Exception:  # noqa: BLE001 - any failure keeps the nodes, which stay correct, only uncuttable around them
+        return
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend(numpy_helper.from_array(np.asarray(value), name) for name, value in zip(needed, values))
+
+
+def _evaluate(model: onnx.ModelProto, nodes: list[onnx.NodeProto], initializers: dict[str, onnx.TensorProto],
+              outputs: list[str]) -> list[np.ndarray]:
+    from onnx.reference import ReferenceEvaluator
+
+    used = {name for node in nodes for name in node.input}
+    sub = helper.make_graph(nodes, "constants", [], [helper.make_empty_tensor_value_info(n) for n in outputs],
+                            [tensor for name, tensor in initializers.items() if name in used])
+    return ReferenceEvaluator(helper.make_model(sub, opset_imports=list(model.opset_import))).run(outputs, {})
 
 
 def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -118,7 +118,7 @@ def _check_opsets(model: onnx.ModelProto, name: str) -> None:
     if not MIN_AI_ONNX_OPSET <= opset <= MAX_AI_ONNX_OPSET:
         raise ModelLoadError(
             f"{name}: ai.onnx opset {opset} is outside what edgert trains "
-            f"({MIN_AI_ONNX_OPSET}..{MAX_AI_ONNX_OPSET}); re-export with another opset_version"
+            f"({MIN_AI_ONNX_OPSET}..{MAX_AI_ONNX_OPSET}); re-export with opset_version=17 (torch.onnx.export)"
         )
     for node in model.graph.node:
         if node.domain not in _KNOWN_DOMAINS:

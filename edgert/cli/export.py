@@ -155,7 +155,7 @@ def _block_table(analysis) -> str:
         crossing = ""
         if cut is not None:
             crossing = f"{len(cut.tensors)} tensor(s), {human_bytes(cut.bytes_per_sample)}/sample"
-            crossing += "" if cut.legal else f" (illegal: shares {', '.join(cut.shared_params)})"
+            crossing += "" if cut.legal else f" (illegal: {cut.why_illegal})"
         rows.append((block.index, block.name, len(block.nodes), human_count(block.flops),
                      human_bytes(block.param_bytes), crossing))
     table = format_table(["block", "name", "nodes", "FLOPs/sample", "params", "cut before it carries"], rows)

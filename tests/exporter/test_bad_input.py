@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -182,3 +183,16 @@ def test_frozen_names_from_the_models_metadata_are_not_blamed_on_the_option(tmp_
     assert_one_line_error(result, "source.onnx: the model's edgert.frozen metadata names no initializer: D.bias")
     assert_one_line_error(run("export", plan / "source.onnx", "--frozen", "nope", "-o", tmp_path / "again"),
                           "--frozen names no initializer: nope")
+
+
+def test_a_parameter_that_does_not_reach_the_loss_says_to_freeze_it(tmp_path):
+    from onnx import helper, numpy_helper
+
+    model = make_skip_model()
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(6, np.float32), "unused.scale"))
+    model.graph.node.insert(1, helper.make_node("Mul", ["a_out", "unused.scale"], ["dead"], name="/a/Mul"))
+    path = tmp_path / "dead.onnx"
+    onnx.save(model, str(path))
+    assert_one_line_error(run("export", path, "-o", tmp_path / "plan"),
+                          "parameter 'unused.scale' does not reach the loss", "--frozen unused.scale")
+    assert run("export", path, "--frozen", "unused.scale", "-o", tmp_path / "plan").exit_code == 0
