@@ -25,7 +25,7 @@ from edgert.exporter.check_portable import (
     relative_difference,
     training_build_gaps,
 )
-from edgert.exporter.normalise import TrainableGraph, normalise
+from edgert.exporter.normalise import TrainableGraph, frozen_in, normalise
 from edgert.exporter.source import from_model_proto
 from edgert.manifest import Manifest, load_manifest
 from edgert.optimizer import FlatParameters, make_optimizer
@@ -85,7 +85,7 @@ def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps
     source = _source_model(plan_dir, manifest, model_path)
     inputs, labels = _seeded_batch(manifest, source, batch_size, seed)
     with tempfile.TemporaryDirectory(prefix="edgert-check-") as scratch:
-        trainable = normalise(from_model_proto(source, "reference"))
+        trainable = normalise(from_model_proto(source, "reference"), frozen_in(manifest.metadata))
         gaps = training_build_gaps(trainable.graph.node)
         if gaps:
             reference = _PortableReference(source, manifest, Path(scratch), gaps)

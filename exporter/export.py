@@ -19,7 +19,7 @@ from edgert.exporter.analyse import ModelAnalysis, analyse
 from edgert.exporter.artifacts import StageArtifacts, build_stage_artifacts
 from edgert.exporter.cuts import balanced_cuts, resolve_cuts
 from edgert.exporter.errors import ExportError
-from edgert.exporter.normalise import normalise
+from edgert.exporter.normalise import FROZEN_METADATA, normalise
 from edgert.exporter.slice import StageGraph, slice_stage, stage_ranges
 from edgert.exporter.source import SOURCE_FILE, SourceModel, load_source_model
 from edgert.manifest import (
@@ -195,6 +195,8 @@ def _manifest(
     training: TrainingConfig,
 ) -> Manifest:
     metadata = {p.key: p.value for p in source.model.metadata_props}
+    if analysis.trainable.frozen:  # --frozen too, so that check and re-planning freeze what this export froze
+        metadata[FROZEN_METADATA] = ",".join(analysis.trainable.frozen)
     stages = tuple(_stage_entry(analysis, graph, artifacts, out_dir) for graph, artifacts in zip(graphs, built))
     return Manifest(
         source_sha256=source.sha256,

@@ -22,6 +22,7 @@ Models exported by others rarely come in training form. This module:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,7 @@ from edgert.exporter.errors import ModelLoadError
 from edgert.exporter.recurrent import unroll_recurrent
 from edgert.exporter.source import SourceModel
 
+FROZEN_METADATA = "edgert.frozen"  # model (and manifest) metadata: initializers not to train, comma-separated
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
 # Inputs (by position) that carry no gradient even when they hold float values.
 _NON_DIFFERENTIABLE_INPUTS = {
@@ -53,6 +55,7 @@ class TrainableGraph:
     # output tensor of a BatchNormalization -> the running statistic it updates
     buffer_updates: dict[str, str]
     notes: list[str] = field(default_factory=list)
+    frozen: tuple[str, ...] = ()  # initializers not trained: --frozen, then the model's edgert.frozen metadata
 
     @property
     def graph(self) -> onnx.GraphProto:
@@ -77,21 +80,23 @@ def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGra
     buffer_updates = _batchnorm_training_form(model.graph)
     _layernorm_training_form(model.graph)
     _check_frozen(model.graph, tuple(frozen), "--frozen")
-    _check_frozen(model.graph, by_metadata, f"{source.path}: the model's edgert.frozen metadata")
-    frozen = tuple(frozen) + by_metadata
+    _check_frozen(model.graph, by_metadata, f"{source.path}: the model's {FROZEN_METADATA} metadata")
+    frozen = tuple(dict.fromkeys(tuple(frozen) + by_metadata))
     parameters, buffers = _classify_initializers(model.graph, constants, set(frozen), buffer_updates)
     if not parameters:
         raise ModelLoadError("the model has no trainable parameters (no float initializers)")
     _fold_constants(model, set(parameters) | set(buffers))
     model = _infer_shapes(model)
-    return TrainableGraph(model, parameters, buffers, buffer_updates, notes)
+    return TrainableGraph(model, parameters, buffers, buffer_updates, notes, frozen)
+
+
+def frozen_in(metadata: Mapping[str, str]) -> tuple[str, ...]:
+    """The initializers a model's (or a plan manifest's) metadata lists as not trained."""
+    return tuple(name for name in metadata.get(FROZEN_METADATA, "").split(",") if name)
 
 
 def _frozen_by_metadata(model: onnx.ModelProto) -> tuple[str, ...]:
-    for prop in model.metadata_props:
-        if prop.key == "edgert.frozen":
-            return tuple(name for name in prop.value.split(",") if name)
-    return ()
+    return frozen_in({prop.key: prop.value for prop in model.metadata_props})
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:

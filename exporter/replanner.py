@@ -19,6 +19,7 @@ from pathlib import Path
 from edgert.devices import DevicesFile, load_devices
 from edgert.exporter.analyse import ModelAnalysis
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+from edgert.exporter.normalise import frozen_in
 from edgert.exporter.predictor import LatencyPredictor, PredictorError, join_features
 from edgert.exporter.predictor_features import block_features
 from edgert.exporter.predictor_profiles import observations_from_devices
@@ -93,7 +94,7 @@ class Replanner:
         self._source_path = Path(plan_dir) / SOURCE_FILE
         self.source = load_plan_source(plan_dir, manifest.source_sha256)
         self._profile_plans = None  # exported at the first live profile
-        self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions())
+        self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions(frozen=frozen_in(manifest.metadata)))
         self.training = manifest.training
         self.memory_mode = memory_mode
         self.cache_dir = cache_dir

@@ -196,3 +196,16 @@ def test_a_parameter_that_does_not_reach_the_loss_says_to_freeze_it(tmp_path):
     assert_one_line_error(run("export", path, "-o", tmp_path / "plan"),
                           "parameter 'unused.scale' does not reach the loss", "--frozen unused.scale")
     assert run("export", path, "--frozen", "unused.scale", "-o", tmp_path / "plan").exit_code == 0
+
+
+def test_frozen_initializers_stay_frozen_in_check_and_replanning(skip_model_path, tmp_path):
+    from edgert.exporter.replanner import Replanner
+    from edgert.manifest import load_manifest
+
+    plan = tmp_path / "plan"
+    assert run("export", skip_model_path, "--stages", "2", "--frozen", "c.bias", "-o", plan).exit_code == 0
+    manifest = load_manifest(plan)
+    assert "c.bias" not in {p.name for s in manifest.stages for p in s.parameters}
+    checked = run("check", plan, "--json")
+    assert checked.exit_code == 0 and json.loads(checked.output)["ok"], checked.output
+    assert "c.bias" not in Replanner(plan, manifest, tmp_path / "cache").analysis.trainable.parameters
