@@ -96,8 +96,7 @@ def write_plan(
     graphs = [slice_stage(analysis, k, first, end) for k, (first, end) in enumerate(ranges)]
     built: list[StageArtifacts] = [None] * len(graphs)  # type: ignore[list-item]
     # Stages are built aside and moved in only when all of them built: a failure leaves the folder as it was.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    staging = _staging_folder(out_dir)
     try:
         for stage in reversed(graphs):
             progress(f"stage {stage.index}: blocks {stage.first_block}..{stage.end_block - 1}, building artifacts")
@@ -163,6 +162,15 @@ def _check_folder(out_dir: Path) -> None:
             raise ExportError(f"{out_dir}: exists and is not a folder")
         if any(out_dir.iterdir()) and not (out_dir / "manifest.json").exists():
             raise ExportError(f"{out_dir}: folder is not empty and is not an edgert plan; choose another -o")
+
+
+def _staging_folder(out_dir: Path) -> Path:
+    """A scratch folder beside ``out_dir`` (the same file system, so finished stages move in by renaming)."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    except OSError as error:
+        raise ExportError(f"{out_dir}: cannot write a plan there ({error.strerror or error})") from None
 
 
 def _replace_stages(staging: Path, out_dir: Path) -> None:

@@ -29,7 +29,9 @@ PLAN_FOLDER = "plan"  # a run folder's copy of its plan (edgert train writes it)
 
 def merge_run(run_dir: str | Path, out_path: str | Path, checkpoint: str = "latest") -> dict[str, int]:
     """Write ``out_path`` from ``run_dir``'s checkpoint; returns counts of what was replaced."""
-    run_dir = Path(run_dir)
+    run_dir, out_path = Path(run_dir), Path(out_path)
+    if not out_path.parent.is_dir():
+        raise ExportError(f"{out_path}: no folder {out_path.parent} to write the merged model in")
     plan = _plan_folder(run_dir)
     manifest = load_manifest(plan, verify=False)
     source = load_plan_source(plan, manifest.source_sha256)
@@ -44,7 +46,10 @@ def merge_run(run_dir: str | Path, out_path: str | Path, checkpoint: str = "late
     _inference_form(model)
     model.metadata_props.add(key="edgert.trained_steps", value=str(step + 1))
     onnx.checker.check_model(model)
-    onnx.save(model, str(out_path))
+    try:
+        onnx.save(model, str(out_path))
+    except OSError as error:
+        raise ExportError(f"{out_path}: cannot write the merged model ({error.strerror or error})") from None
     return {"replaced": replaced, "step": step}
 
 

@@ -115,3 +115,11 @@ def test_merge_refuses_a_checkpoint_step_that_is_not_a_number(trained_run, tmp_p
     (run / "checkpoints" / "latest" / "checkpoint.json").write_text('{"step": "x"}')
     with pytest.raises(Exception, match='"step" must be a step number'):
         merge_run(run, tmp_path / "m.onnx")
+
+
+def test_an_output_that_cannot_be_written_is_one_line(trained_run):
+    result = merge_cli(trained_run, "/proc/x/m.onnx")
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: /proc/x/m.onnx: no folder /proc/x to write the merged model in"
+    result = merge_cli(trained_run, "/proc/m.onnx")  # the folder exists; the file cannot be made
+    assert result.exit_code == 2 and "cannot write the merged model" in result.output
