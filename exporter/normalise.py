@@ -35,6 +35,7 @@ from edgert.exporter.source import SourceModel
 
 FROZEN_METADATA = "edgert.frozen"  # model (and manifest) metadata: initializers not to train, comma-separated
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
+_RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial"}
 # Inputs (by position) that carry no gradient even when they hold float values.
 _NON_DIFFERENTIABLE_INPUTS = {
     "Clip": {1, 2},
@@ -274,14 +275,15 @@ def _fold_constants(model: onnx.ModelProto, state: set[str]) -> None:
     """Replace nodes that read only constant initializers by initializers holding their outputs.
 
     ``state`` (parameters and running statistics) and the graph inputs vary; a node with no
-    inputs (RandomNormal...) varies too. Left as it is when the reference evaluator cannot run it.
+    inputs, a random one, or one with a sub-graph (If, Loop) varies too. Left as it is when the
+    reference evaluator cannot run it.
     """
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     varying = {i.name for i in graph.input if i.name not in initializers} | state
     folded, kept = [], []
     for node in graph.node:
-        if node.input and not any(name in varying for name in node.input if name) and node.domain in ("", "ai.onnx"):
+        if node.input and not any(name in varying for name in node.input if name) and _foldable(node):
             folded.append(node)
         else:
             kept.append(node)
@@ -293,11 +295,17 @@ def _fold_constants(model: onnx.ModelProto, state: set[str]) -> None:
               if name in produced] + [o.name for o in graph.output if o.name in produced]
     try:
         values = _evaluate(model, folded, initializers, needed)
-    except Exception:  # noqa: BLE001 - any failure keeps the nodes, which stay correct, only uncuttable around them
+    except Exception:  # any failure keeps the nodes: still correct, only the cuts they would cross are illegal
         return
     del graph.node[:]
     graph.node.extend(kept)
     graph.initializer.extend(numpy_helper.from_array(np.asarray(value), name) for name, value in zip(needed, values))
+
+
+def _foldable(node: onnx.NodeProto) -> bool:
+    """A standard, deterministic operator whose inputs are all it reads (no sub-graph sees outer tensors)."""
+    return node.domain in ("", "ai.onnx") and node.op_type not in _RANDOM_OPS and not any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
 def _evaluate(model: onnx.ModelProto, nodes: list[onnx.NodeProto], initializers: dict[str, onnx.TensorProto],
