@@ -48,6 +48,8 @@ class Cut:
     after_node: str
     tensors: tuple[BoundaryTensor, ...]
     shared_params: tuple[str, ...] = ()
+    # crossing tensors computed from constants alone: no stage's backward can produce them as outputs
+    constant_tensors: tuple[str, ...] = ()
 
     @property
     def bytes_per_sample(self) -> int:
@@ -55,7 +57,17 @@ class Cut:
 
     @property
     def legal(self) -> bool:
-        return not self.shared_params
+        return not self.shared_params and not self.constant_tensors
+
+    @property
+    def why_illegal(self) -> str:
+        """What an illegal cut would do, for error messages ('' when legal)."""
+        if self.shared_params:
+            return f"would split parameter(s) {', '.join(self.shared_params)} between two stages"
+        if self.constant_tensors:
+            return (f"would carry {', '.join(self.constant_tensors[:3])}, computed from constants alone, "
+                    "between two stages")
+        return ""
 
 
 @dataclass
@@ -100,7 +112,7 @@ def analyse(trainable: TrainableGraph, output: str | None = None, block_depth: i
     crossing = _crossing_tensors(graph, node_block, len(names), prediction)
     shapes.resolve([name for names_ in crossing for name in names_] + [prediction])
     blocks = _describe_blocks(trainable, node_block, names, shapes)
-    cuts = _describe_cuts(graph, blocks, crossing, shapes)
+    cuts = _describe_cuts(graph, blocks, crossing, shapes, _constant_tensors(trainable))
     return ModelAnalysis(
         trainable=trainable,
         blocks=blocks,
@@ -257,8 +269,23 @@ def _describe_blocks(
     return blocks
 
 
+def _constant_tensors(trainable: TrainableGraph) -> set[str]:
+    """Node outputs that depend on no model input, parameter or running statistic."""
+    graph = trainable.graph
+    varying = {i.name for i in _data_inputs(graph)} | set(trainable.parameters) | set(trainable.buffers)
+    constant: set[str] = set()
+    for node in graph.node:
+        outputs = {name for name in node.output if name}
+        if node.input and not any(name in varying for name in node.input):
+            constant |= outputs
+        else:  # a node without inputs (RandomNormal...) varies too
+            varying |= outputs
+    return constant
+
+
 def _describe_cuts(
-    graph: onnx.GraphProto, blocks: list[Block], crossing: list[list[str]], shapes: _ShapeTable
+    graph: onnx.GraphProto, blocks: list[Block], crossing: list[list[str]], shapes: _ShapeTable,
+    constant: set[str],
 ) -> list[Cut]:
     users: dict[str, set[int]] = defaultdict(set)
     for block in blocks:
@@ -273,6 +300,7 @@ def _describe_cuts(
             after_node=blocks[index - 1].nodes[-1],
             tensors=tuple(shapes.boundary(name) for name in crossing[index - 1]),
             shared_params=shared,
+            constant_tensors=tuple(name for name in crossing[index - 1] if name in constant),
         ))
     return cuts
 

@@ -198,6 +198,10 @@ def _explain_gradient_failure(message: str, stage: StageGraph) -> str:
         op, node = match.group(1), match.group(2).strip()
         return (f"stage {stage.index}: ORT has no gradient for op {op} (node {node!r}); "
                 f"move it out of the trained part of the model or replace it with a differentiable op")
+    match = re.search(r"Cannot compute the partial derivative for '([^']+)'", message)
+    if match:
+        return (f"stage {stage.index}: parameter {match.group(1)!r} does not reach the loss through differentiable "
+                f"ops (unused, or used only as an index or shape); freeze it with --frozen {match.group(1)}")
     return f"stage {stage.index}: ORT could not build the gradient graph: {_first_line(message)}"
 
 

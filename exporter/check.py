@@ -25,7 +25,7 @@ from edgert.exporter.check_portable import (
     relative_difference,
     training_build_gaps,
 )
-from edgert.exporter.normalise import TrainableGraph, normalise
+from edgert.exporter.normalise import TrainableGraph, frozen_in, normalise
 from edgert.exporter.source import from_model_proto
 from edgert.manifest import Manifest, load_manifest
 from edgert.optimizer import FlatParameters, make_optimizer
@@ -85,7 +85,7 @@ def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps
     source = _source_model(plan_dir, manifest, model_path)
     inputs, labels = _seeded_batch(manifest, source, batch_size, seed)
     with tempfile.TemporaryDirectory(prefix="edgert-check-") as scratch:
-        trainable = normalise(from_model_proto(source, "reference"))
+        trainable = normalise(from_model_proto(source, "reference"), frozen_in(manifest.metadata))
         gaps = training_build_gaps(trainable.graph.node)
         if gaps:
             reference = _PortableReference(source, manifest, Path(scratch), gaps)
@@ -130,16 +130,14 @@ def _stage_inputs(chain: StageChain, inputs: dict[str, np.ndarray]) -> list[dict
 
 def _source_model(plan_dir: Path, manifest: Manifest, model_path: str | Path | None) -> onnx.ModelProto:
     from edgert.exporter.errors import ExportError
-    from edgert.exporter.source import load_source_model
+    from edgert.exporter.source import load_plan_source, load_source_model
 
-    candidates = [Path(model_path)] if model_path else [plan_dir / "source.onnx"]
-    for path in candidates:
-        if path.is_file():
-            source = load_source_model(path)
-            if source.sha256 != manifest.source_sha256:
-                raise ExportError(f"{path} is not the model this plan was cut from (sha256 differs)")
-            return source.model
-    raise ExportError(f"{plan_dir}: no source.onnx in the plan; pass the source model with --model")
+    if model_path is None:
+        return load_plan_source(plan_dir, manifest.source_sha256).model
+    source = load_source_model(model_path)
+    if source.sha256 != manifest.source_sha256:
+        raise ExportError(f"{model_path} is not the model this plan was cut from (sha256 differs)")
+    return source.model
 
 
 def _seeded_batch(manifest: Manifest, model: onnx.ModelProto, batch: int, seed: int):

@@ -53,8 +53,8 @@ def resolve_cuts(analysis: ModelAnalysis, specs: list[str]) -> list[int]:
     for index in indices:
         cut = analysis.cut_before(index)
         if not cut.legal:
-            raise CutError(f"cut {index} (before block {cut.before_block!r}) would split parameter(s) "
-                           f"{', '.join(cut.shared_params)} between two stages; {legal_cuts_text(analysis)}")
+            raise CutError(f"cut {index} (before block {cut.before_block!r}) {cut.why_illegal}; "
+                           f"{legal_cuts_text(analysis)}")
     return indices
 
 

@@ -19,9 +19,9 @@ from edgert.exporter.analyse import ModelAnalysis, analyse
 from edgert.exporter.artifacts import StageArtifacts, build_stage_artifacts
 from edgert.exporter.cuts import balanced_cuts, resolve_cuts
 from edgert.exporter.errors import ExportError
-from edgert.exporter.normalise import normalise
+from edgert.exporter.normalise import FROZEN_METADATA, normalise
 from edgert.exporter.slice import StageGraph, slice_stage, stage_ranges
-from edgert.exporter.source import SourceModel, load_source_model
+from edgert.exporter.source import SOURCE_FILE, SourceModel, load_source_model
 from edgert.manifest import (
     ArtifactFile,
     BoundaryTensor,
@@ -34,7 +34,6 @@ from edgert.manifest import (
 )
 
 Progress = Callable[[str], None]
-SOURCE_FILE = "source.onnx"
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def choose_cuts(analysis: ModelAnalysis, options: ExportOptions) -> list[int]:
         if options.stages is not None and options.stages != len(options.cuts) + 1:
             raise ExportError(f"--stages {options.stages} disagrees with {len(options.cuts)} explicit cut(s)")
         return resolve_cuts(analysis, list(options.cuts))
-    return balanced_cuts(analysis, options.stages or 1)
+    return balanced_cuts(analysis, 1 if options.stages is None else options.stages)
 
 
 def export_plan(
@@ -68,9 +67,9 @@ def export_plan(
 ) -> Manifest:
     """Export ``model_path`` into the plan folder ``out_dir`` and return its manifest."""
     source = load_source_model(model_path)
-    for note in source.notes:
-        progress(note)
     analysis = prepare_analysis(source, options)
+    for note in analysis.trainable.notes:
+        progress(note)
     cuts = choose_cuts(analysis, options)
     return write_plan(source, analysis, cuts, Path(out_dir), options.training, progress)
 
@@ -97,8 +96,7 @@ def write_plan(
     graphs = [slice_stage(analysis, k, first, end) for k, (first, end) in enumerate(ranges)]
     built: list[StageArtifacts] = [None] * len(graphs)  # type: ignore[list-item]
     # Stages are built aside and moved in only when all of them built: a failure leaves the folder as it was.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    staging = _staging_folder(out_dir)
     try:
         for stage in reversed(graphs):
             progress(f"stage {stage.index}: blocks {stage.first_block}..{stage.end_block - 1}, building artifacts")
@@ -166,6 +164,15 @@ def _check_folder(out_dir: Path) -> None:
             raise ExportError(f"{out_dir}: folder is not empty and is not an edgert plan; choose another -o")
 
 
+def _staging_folder(out_dir: Path) -> Path:
+    """A scratch folder beside ``out_dir`` (the same file system, so finished stages move in by renaming)."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    except OSError as error:
+        raise ExportError(f"{out_dir}: cannot write a plan there ({error.strerror or error})") from None
+
+
 def _replace_stages(staging: Path, out_dir: Path) -> None:
     """Move the freshly built stage folders into ``out_dir`` in place of its old ones."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -196,6 +203,8 @@ def _manifest(
     training: TrainingConfig,
 ) -> Manifest:
     metadata = {p.key: p.value for p in source.model.metadata_props}
+    if analysis.trainable.frozen:  # --frozen too, so that check and re-planning freeze what this export froze
+        metadata[FROZEN_METADATA] = ",".join(analysis.trainable.frozen)
     stages = tuple(_stage_entry(analysis, graph, artifacts, out_dir) for graph, artifacts in zip(graphs, built))
     return Manifest(
         source_sha256=source.sha256,

@@ -296,6 +296,8 @@ def gather_grad(c: RuleContext) -> None:
     axis = c.attr("axis", 0)
     rank = c.static(shape, what="the length")[0]
     axis = axis + rank if axis < 0 else axis
+    if q == 0:  # a scalar index dropped the axis: as Gather of [index], whose dY has the axis back with length 1
+        indices, dy, q = w.unsqueeze(indices, [0]), w.unsqueeze(dy, [axis]), 1
     if axis == 0:
         w.identity(_scatter_add_rows(c, shape, indices, dy, elem_type), c.output(0))
         return

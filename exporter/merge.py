@@ -3,7 +3,9 @@
 The run folder keeps the plan's source model and every stage's latest state. The merged
 model is the source in inference form (BatchNorm on running statistics, Dropout as the
 identity it is at inference) with every parameter and running statistic replaced by its
-trained value. It runs in plain onnxruntime and matches the stages chained.
+trained value. It runs in plain onnxruntime and matches the stages chained. Every stage
+file must hold exactly its stage's tensors, as the manifest lists them: a file from
+another stage or another plan is refused, never merged in part.
 """
 
 from __future__ import annotations
@@ -15,34 +17,84 @@ import onnx
 from onnx import numpy_helper
 
 from edgert.checkpoint import CHECKPOINT_NAME, load_checkpoint_info
+from edgert.errors import EdgertError
 from edgert.exporter.errors import ExportError
-from edgert.exporter.source import load_source_model
-from edgert.manifest import load_manifest
+from edgert.exporter.normalise import separate_deduplicated
+from edgert.exporter.source import load_plan_source
+from edgert.manifest import MANIFEST_NAME, Manifest, StageEntry, load_manifest
 from edgert.weights import load_state
+
+PLAN_FOLDER = "plan"  # a run folder's copy of its plan (edgert train writes it)
 
 
 def merge_run(run_dir: str | Path, out_path: str | Path, checkpoint: str = "latest") -> dict[str, int]:
     """Write ``out_path`` from ``run_dir``'s checkpoint; returns counts of what was replaced."""
-    run_dir = Path(run_dir)
-    plan = run_dir / "plan"
+    run_dir, out_path = Path(run_dir), Path(out_path)
+    if not out_path.parent.is_dir():
+        raise ExportError(f"{out_path}: no folder {out_path.parent} to write the merged model in")
+    plan = _plan_folder(run_dir)
     manifest = load_manifest(plan, verify=False)
-    source = load_source_model(plan / "source.onnx")
-    if source.sha256 != manifest.source_sha256:
-        raise ExportError(f"{plan / 'source.onnx'} is not the model the run's plan was cut from")
+    source = load_plan_source(plan, manifest.source_sha256)
     folder = run_dir / "checkpoints" / checkpoint
     if not (folder / CHECKPOINT_NAME).is_file():
         raise ExportError(f"{run_dir}: no checkpoint {checkpoint!r} (the run saves one after each epoch)")
-    info = load_checkpoint_info(folder)
+    step = load_checkpoint_info(folder).step
     values: dict[str, np.ndarray] = {}
     for stage in manifest.stages:
-        values.update(load_state(folder / f"stage{stage.index}.cbor").parameters)
+        values.update(_stage_values(folder / f"stage{stage.index}.cbor", stage, manifest))
     model = source.model
+    separate_deduplicated(model.graph)  # the normaliser's parameter names, which the stages train
     replaced = _replace_initializers(model, values)
     _inference_form(model)
-    model.metadata_props.add(key="edgert.trained_steps", value=str(info.step + 1))
+    model.metadata_props.add(key="edgert.trained_steps", value=str(step + 1))
     onnx.checker.check_model(model)
-    onnx.save(model, str(out_path))
-    return {"replaced": replaced, "step": info.step}
+    try:
+        onnx.save(model, str(out_path))
+    except OSError as error:
+        raise ExportError(f"{out_path}: cannot write the merged model ({error.strerror or error})") from None
+    return {"replaced": replaced, "step": step}
+
+
+def _plan_folder(run_dir: Path) -> Path:
+    plan = run_dir / PLAN_FOLDER
+    if (plan / MANIFEST_NAME).is_file():
+        return plan
+    if (run_dir / MANIFEST_NAME).is_file():
+        raise ExportError(f"{run_dir} is a plan folder; merge takes a run folder (the --out of `edgert train`), "
+                          f"which holds {PLAN_FOLDER}/ and checkpoints/")
+    raise ExportError(f"{run_dir}: not a run folder (no {PLAN_FOLDER}/{MANIFEST_NAME}); "
+                      "give the --out folder of `edgert train`")
+
+
+def _stage_values(path: Path, entry: StageEntry, manifest: Manifest) -> dict[str, np.ndarray]:
+    """``path``'s tensors, refused unless they are exactly stage ``entry``'s, with the manifest's shapes."""
+    try:
+        parameters = load_state(path).parameters
+    except EdgertError as error:
+        raise ExportError(f"{path}: not a stage checkpoint of edgert ({error})") from None
+    expected = {p.name: tuple(int(d) for d in p.shape) for p in entry.parameters}
+    if parameters.keys() != expected.keys():
+        raise ExportError(f"{path}: {_who_owns(parameters.keys(), entry, manifest)}")
+    for name, value in parameters.items():
+        if tuple(value.shape) != expected[name]:
+            raise ExportError(f"{path}: {name} has shape {list(value.shape)}, but stage {entry.index} of the plan "
+                              f"has {list(expected[name])} (a checkpoint of another model?)")
+    return parameters
+
+
+def _who_owns(names, entry: StageEntry, manifest: Manifest) -> str:
+    """Why a stage file's tensor names are not stage ``entry``'s: another stage's, or unknown ones."""
+    names = set(names)
+    owners = [s.index for s in manifest.stages if names and names <= {p.name for p in s.parameters}]
+    if owners and owners[0] != entry.index:
+        return (f"holds stage {owners[0]}'s tensors, not stage {entry.index}'s (stage files swapped or "
+                "copied from another run?)")
+    expected = {p.name for p in entry.parameters}
+    missing, unknown = sorted(expected - names), sorted(names - expected)
+    parts = [f"lacks {len(missing)} of stage {entry.index}'s tensors ({', '.join(missing[:3])})"] if missing else []
+    if unknown:
+        parts.append(f"holds {len(unknown)} tensor(s) stage {entry.index} does not have ({', '.join(unknown[:3])})")
+    return "; ".join(parts) + " (a checkpoint of another plan?)"
 
 
 def _replace_initializers(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> int:
@@ -52,8 +104,6 @@ def _replace_initializers(model: onnx.ModelProto, values: dict[str, np.ndarray])
         raise ExportError(f"the checkpoint has tensors the source model lacks: {', '.join(missing[:5])}")
     for name, value in values.items():
         original = by_name[name]
-        if tuple(original.dims) != value.shape:
-            raise ExportError(f"{name}: checkpoint shape {list(value.shape)} != model shape {list(original.dims)}")
         original.CopyFrom(numpy_helper.from_array(value.astype(numpy_helper.to_array(original).dtype), name))
     return len(values)
 

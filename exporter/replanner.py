@@ -19,10 +19,11 @@ from pathlib import Path
 from edgert.devices import DevicesFile, load_devices
 from edgert.exporter.analyse import ModelAnalysis
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+from edgert.exporter.normalise import frozen_in
 from edgert.exporter.predictor import LatencyPredictor, PredictorError, join_features
 from edgert.exporter.predictor_features import block_features
 from edgert.exporter.predictor_profiles import observations_from_devices
-from edgert.exporter.source import load_source_model
+from edgert.exporter.source import SOURCE_FILE, load_plan_source
 from edgert.manifest import Manifest
 
 DEFAULT_PAUSE_S = 1.0
@@ -90,10 +91,10 @@ class Replanner:
     def __init__(self, plan_dir: Path, manifest: Manifest, cache_dir: Path, devices: Path | None = None,
                  threshold: float = 0.1, batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
                  memory_mode: str = "recompute"):
-        self._source_path = Path(plan_dir) / "source.onnx"
-        self.source = load_source_model(self._source_path)
+        self._source_path = Path(plan_dir) / SOURCE_FILE
+        self.source = load_plan_source(plan_dir, manifest.source_sha256)
         self._profile_plans = None  # exported at the first live profile
-        self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions())
+        self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions(frozen=frozen_in(manifest.metadata)))
         self.training = manifest.training
         self.memory_mode = memory_mode
         self.cache_dir = cache_dir

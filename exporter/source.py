@@ -21,6 +21,7 @@ MIN_AI_ONNX_OPSET = 13
 # The IR version each ai.onnx opset first needs (onnx.helper.VERSION_TABLE, ORT 1.19's range).
 _IR_FOR_OPSET = {13: 7, 14: 7, 15: 8, 16: 8, 17: 8, 18: 8, 19: 9, 20: 9, 21: 10}
 _KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft"}
+SOURCE_FILE = "source.onnx"  # a plan's copy of the model it was cut from
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,20 @@ def load_source_model(path: str | Path) -> SourceModel:
     data = _read(path)
     model = _parse(data, path)
     return _prepare(model, hashlib.sha256(data).hexdigest(), str(path))
+
+
+def load_plan_source(plan_dir: str | Path, source_sha256: str) -> SourceModel:
+    """A plan folder's copy of its source model, refused unless it is the file the plan was cut from."""
+    path = Path(plan_dir) / SOURCE_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing; the plan keeps the model it was cut from there (export the plan again)")
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != source_sha256:
+        raise ModelLoadError(f"{path} is damaged or replaced: its sha256 {digest[:12]}... is not the manifest's "
+                             f"source_sha256 {source_sha256[:12]}...; put back the model the plan was cut from, "
+                             "or export the plan again")
+    return _prepare(_parse(data, path), digest, str(path))
 
 
 def from_model_proto(model: onnx.ModelProto, name: str = "<in-memory>") -> SourceModel:
@@ -103,7 +118,7 @@ def _check_opsets(model: onnx.ModelProto, name: str) -> None:
     if not MIN_AI_ONNX_OPSET <= opset <= MAX_AI_ONNX_OPSET:
         raise ModelLoadError(
             f"{name}: ai.onnx opset {opset} is outside what edgert trains "
-            f"({MIN_AI_ONNX_OPSET}..{MAX_AI_ONNX_OPSET}); re-export with another opset_version"
+            f"({MIN_AI_ONNX_OPSET}..{MAX_AI_ONNX_OPSET}); re-export with opset_version=17 (torch.onnx.export)"
         )
     for node in model.graph.node:
         if node.domain not in _KNOWN_DOMAINS:

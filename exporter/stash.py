@@ -56,7 +56,8 @@ def split_for_stashing(training: onnx.ModelProto, gradient_inputs: set[str], for
     missing = [name for name in forward_outputs if name not in produced_forward
                and name not in {i.name for i in graph.input}]
     if missing:
-        raise ExportError(f"{graph.name}: the forward half cannot produce {', '.join(missing[:3])}")
+        raise ExportError(f"{graph.name}: the forward half cannot produce {', '.join(missing[:3])}; cut elsewhere "
+                          "(--cuts; `edgert inspect MODEL` lists the cuts)")
     forward = _half(training, forward_nodes, f"{graph.name}_forward",
                     outputs=list(dict.fromkeys([*forward_outputs, *saved])))
     backward = _half(training, backward_nodes, f"{graph.name}_backward",

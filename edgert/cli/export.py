@@ -45,8 +45,6 @@ def export_command(model: Path, out_dir: Path, stages: int | None, cuts: str | N
     from edgert.exporter.source import load_source_model
 
     source = load_source_model(model)
-    for note in source.notes:
-        _progress(note)
     metadata = {p.key: p.value for p in source.model.metadata_props}
     loss_name = (loss or metadata.get("edgert.loss", "cross_entropy")).replace("-", "_")
     training = TrainingConfig(loss=loss_name, optimizer=optimizer, learning_rate=learning_rate,
@@ -54,6 +52,8 @@ def export_command(model: Path, out_dir: Path, stages: int | None, cuts: str | N
     options = ExportOptions(stages=stages, cuts=_split(cuts), output=output, block_depth=block_depth,
                             frozen=_split(frozen), training=training)
     analysis = prepare_analysis(source, options)
+    for note in analysis.trainable.notes:
+        _progress(note)
     _progress(f"{model.name}: {len(analysis.blocks)} blocks, {human_count(analysis.param_count)} parameters, "
               f"{human_count(analysis.total_flops)} FLOPs/sample")
     chosen = choose_cuts(analysis, options)
@@ -155,7 +155,7 @@ def _block_table(analysis) -> str:
         crossing = ""
         if cut is not None:
             crossing = f"{len(cut.tensors)} tensor(s), {human_bytes(cut.bytes_per_sample)}/sample"
-            crossing += "" if cut.legal else f" (illegal: shares {', '.join(cut.shared_params)})"
+            crossing += "" if cut.legal else f" (illegal: {cut.why_illegal})"
         rows.append((block.index, block.name, len(block.nodes), human_count(block.flops),
                      human_bytes(block.param_bytes), crossing))
     table = format_table(["block", "name", "nodes", "FLOPs/sample", "params", "cut before it carries"], rows)

@@ -2,7 +2,9 @@
 
 import json
 
+import numpy as np
 import onnx
+import pytest
 from click.testing import CliRunner
 
 from edgert.cli import main
@@ -140,3 +142,74 @@ def test_a_failed_export_leaves_the_previous_plan_as_it_was(skip_model_path, tmp
     assert_one_line_error(run("export", path, "-o", tmp_path / "plan"), "ResizeGrad")
     after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "plan").rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_zero_stages_is_refused(skip_model_path, tmp_path):
+    assert_one_line_error(run("export", skip_model_path, "--stages", "0", "-o", tmp_path / "plan"),
+                          "--stages must be at least 1 (got 0)")
+    assert not (tmp_path / "plan").exists()
+
+
+def _plan_with_damaged_source(tmp_path):
+    """A plan whose source.onnx had one byte of its edgert.frozen metadata flipped (the file still parses)."""
+    model = make_skip_model()
+    model.metadata_props.add(key="edgert.frozen", value="d.bias")
+    path = tmp_path / "frozen.onnx"
+    onnx.save(model, str(path))
+    plan = tmp_path / "plan"
+    assert run("export", path, "--stages", "2", "-o", plan).exit_code == 0
+    data = bytearray((plan / "source.onnx").read_bytes())
+    data[data.rindex(b"d.bias")] ^= 0x20  # d.bias -> D.bias
+    (plan / "source.onnx").write_bytes(bytes(data))
+    return plan
+
+
+def test_a_damaged_source_model_is_named_by_check_and_replanning(tmp_path):
+    from edgert.exporter.errors import ModelLoadError
+    from edgert.exporter.replanner import Replanner
+    from edgert.manifest import load_manifest
+
+    plan = _plan_with_damaged_source(tmp_path)
+    source = plan / "source.onnx"
+    assert_one_line_error(run("check", plan), f"{source} is damaged or replaced", "source_sha256")
+    with pytest.raises(ModelLoadError, match="is damaged or replaced") as raised:  # what `edgert train` re-plans from
+        Replanner(plan, load_manifest(plan), tmp_path / "cache")
+    assert str(source) in str(raised.value) and "--frozen" not in str(raised.value)
+
+
+def test_frozen_names_from_the_models_metadata_are_not_blamed_on_the_option(tmp_path):
+    plan = _plan_with_damaged_source(tmp_path)
+    result = run("export", plan / "source.onnx", "-o", tmp_path / "again")
+    assert_one_line_error(result, "source.onnx: the model's edgert.frozen metadata names no initializer: D.bias")
+    assert_one_line_error(run("export", plan / "source.onnx", "--frozen", "nope", "-o", tmp_path / "again"),
+                          "--frozen names no initializer: nope")
+
+
+def test_a_parameter_that_does_not_reach_the_loss_says_to_freeze_it(tmp_path):
+    from onnx import helper, numpy_helper
+
+    model = make_skip_model()
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(6, np.float32), "unused.scale"))
+    model.graph.node.insert(1, helper.make_node("Mul", ["a_out", "unused.scale"], ["dead"], name="/a/Mul"))
+    path = tmp_path / "dead.onnx"
+    onnx.save(model, str(path))
+    assert_one_line_error(run("export", path, "-o", tmp_path / "plan"),
+                          "parameter 'unused.scale' does not reach the loss", "--frozen unused.scale")
+    assert run("export", path, "--frozen", "unused.scale", "-o", tmp_path / "plan").exit_code == 0
+
+
+def test_frozen_initializers_stay_frozen_in_check_and_replanning(skip_model_path, tmp_path):
+    from edgert.exporter.replanner import Replanner
+    from edgert.manifest import load_manifest
+
+    plan = tmp_path / "plan"
+    assert run("export", skip_model_path, "--stages", "2", "--frozen", "c.bias", "-o", plan).exit_code == 0
+    manifest = load_manifest(plan)
+    assert "c.bias" not in {p.name for s in manifest.stages for p in s.parameters}
+    checked = run("check", plan, "--json")
+    assert checked.exit_code == 0 and json.loads(checked.output)["ok"], checked.output
+    assert "c.bias" not in Replanner(plan, manifest, tmp_path / "cache").analysis.trainable.parameters
+
+
+def test_a_plan_folder_that_cannot_be_written_is_one_line(skip_model_path):
+    assert_one_line_error(run("export", skip_model_path, "-o", "/proc/nope/"), "/proc/nope: cannot write a plan there")

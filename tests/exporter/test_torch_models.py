@@ -1,5 +1,7 @@
 """Models this project did not build: what torch.onnx.export writes, cut and checked."""
 
+import numpy as np
+import onnxruntime
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch==2.13.0)")
@@ -47,7 +49,41 @@ class SmallTransformer(nn.Module):
         return self.head(self.norm(self.encoder(self.embed(tokens) + self.pos)).mean(1))
 
 
+class ResidualBlock(nn.Module):
+    """torchvision's BasicBlock in small: conv-BN-ReLU-conv-BN, plus a 1x1 conv-BN shortcut when the shape changes."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class TinyResNet(nn.Module):
+    """A torchvision-style ResNet in miniature: stem, two residual stages, global pooling, classifier."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.layer1 = ResidualBlock(8, 8)
+        self.layer2 = ResidualBlock(8, 16, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        return self.fc(self.pool(self.layer2(self.layer1(self.stem(x)))).flatten(1))
+
+
 def export_training_mode(module, example, path, input_name):
+    """The export docs/EXPORTER.md recommends: training mode, no constant folding."""
     torch.manual_seed(0)
     module.train()
     torch.onnx.export(
@@ -58,6 +94,104 @@ def export_training_mode(module, example, path, input_name):
     return path
 
 
+def export_eval_mode(module, example, path, input_name):
+    """The usual export: eval mode, constant folding on (BatchNorm folds into the convolutions, and equal
+    initializers are merged into one read through Identity nodes)."""
+    module.eval()
+    torch.onnx.export(
+        module, (example,), str(path), dynamo=False, input_names=[input_name], output_names=["logits"],
+        dynamic_axes={input_name: {0: "N"}, "logits": {0: "N"}}, opset_version=17,
+    )
+    return path
+
+
+MODELS = {
+    "resnet": (TinyResNet, lambda: torch.randn(2, 3, 16, 16), "input"),
+    "transformer": (SmallTransformer, lambda: torch.randint(0, 16, (2, 8)), "tokens"),
+}
+EXPORTS = {"training": export_training_mode, "eval": export_eval_mode}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``exported(model, way)``: MODELS[model] exported by EXPORTS[way], once per module."""
+    folder, paths = tmp_path_factory.mktemp("torch-exports"), {}
+
+    def get(model: str, way: str):
+        if (model, way) not in paths:
+            torch.manual_seed(0)
+            module, example, input_name = MODELS[model]
+            paths[model, way] = EXPORTS[way](module(), example(), folder / f"{model}-{way}.onnx", input_name)
+        return paths[model, way]
+
+    return get
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("way", ["eval", "training"])
+@pytest.mark.parametrize("model", ["resnet", "transformer"])
+def test_torch_export_either_way_trains_in_1_to_3_stages(exported, tmp_path, model, way, stages):
+    notes = []
+    manifest = export_plan(exported(model, way), tmp_path / "plan", ExportOptions(stages=stages), notes.append)
+    assert len(manifest.stages) == stages
+    assert all(any(p.trainable for p in s.parameters) for s in manifest.stages), notes
+    if model == "resnet":  # BatchNorm trains as BatchNorm from a training-mode export, as folded convolutions else
+        assert any(s.buffer_updates for s in manifest.stages) == (way == "training")
+    report = check_plan(tmp_path / "plan")
+    assert report.ok, report.to_json()
+    assert report.max_grad_rel_diff <= 1e-4 and report.max_param_rel_diff <= 1e-4
+
+
+def _merged_pairs(path):
+    """(kept, merged) names of every Identity of an initializer in an exported model."""
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    initializers = {i.name for i in graph.initializer}
+    return [(n.input[0], n.output[0]) for n in graph.node if n.op_type == "Identity" and n.input[0] in initializers]
+
+
+def test_parameters_merged_by_value_train_apart_and_merge_back(exported, tmp_path):
+    """Layers of nn.TransformerEncoder start as copies: an eval export merges them, edgert trains them apart."""
+    from edgert.chain import StageChain
+    from edgert.exporter.merge import merge_run
+    from edgert.weights import StageState, save_state
+
+    path = exported("transformer", "eval")
+    pairs = _merged_pairs(path)
+    assert len(pairs) >= 4  # the second layer's weights, and equal biases
+    notes = []
+    plan = tmp_path / "run" / "plan"
+    manifest = export_plan(path, plan, ExportOptions(stages=2), notes.append)
+    assert any(f"{len(pairs)} initializer(s) the exporter had merged" in note for note in notes), notes
+    chain = StageChain(plan)
+    rng = np.random.default_rng(0)
+    tokens, labels = rng.integers(0, 16, (8, 8)), {manifest.labels[0].name: rng.integers(0, 4, (8,))}
+    before = chain.parameters()
+    assert all(np.array_equal(before[kept], before[merged]) for kept, merged in pairs)
+    for _ in range(2):
+        chain.train_batch({"tokens": tokens}, labels)
+        chain.step()
+    after = chain.parameters()
+    assert all(not np.array_equal(after[kept], after[merged]) for kept, merged in pairs)
+
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    for k, stage in enumerate(chain.stages):
+        save_state(StageState(parameters=stage.parameters(), step=1, stage=k), latest / f"stage{k}.cbor")
+    (latest / "checkpoint.json").write_text('{"step": 1, "epoch": 0, "stages": 2}')
+    merge_run(tmp_path / "run", tmp_path / "merged.onnx")
+    session = onnxruntime.InferenceSession(str(tmp_path / "merged.onnx"), providers=["CPUExecutionProvider"])
+    merged = session.run(None, {"tokens": tokens})[0]
+    np.testing.assert_allclose(merged, chain.infer({"tokens": tokens}), rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_folded_by_an_eval_export_is_said(exported, tmp_path):
+    notes = []
+    export_plan(exported("resnet", "eval"), tmp_path / "plan", ExportOptions(stages=1), notes.append)
+    assert any("train as plain convolutions" in n and "training=torch.onnx.TrainingMode.TRAINING" in n
+               for n in notes), notes
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_torch_cnn_with_batchnorm(tmp_path, stages):
     torch.manual_seed(0)
@@ -65,17 +199,6 @@ def test_torch_cnn_with_batchnorm(tmp_path, stages):
     manifest = export_plan(path, tmp_path / "plan", ExportOptions(stages=stages))
     assert len(manifest.stages) == stages
     assert any(s.buffer_updates for s in manifest.stages)  # BatchNorm running statistics are tracked
-    report = check_plan(tmp_path / "plan")
-    assert report.ok, report.to_json()
-    assert report.max_grad_rel_diff <= 1e-4 and report.max_param_rel_diff <= 1e-4
-
-
-@pytest.mark.parametrize("stages", [1, 3])
-def test_torch_transformer(tmp_path, stages):
-    torch.manual_seed(0)
-    path = export_training_mode(SmallTransformer(), torch.randint(0, 16, (2, 8)), tmp_path / "tr.onnx", "tokens")
-    manifest = export_plan(path, tmp_path / "plan", ExportOptions(stages=stages))
-    assert manifest.model_input[0].dtype == "int64"
     report = check_plan(tmp_path / "plan")
     assert report.ok, report.to_json()
     assert report.max_grad_rel_diff <= 1e-4 and report.max_param_rel_diff <= 1e-4
