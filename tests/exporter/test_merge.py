@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from edgert.cli import main
 from edgert.coordinator import TrainConfig, train
+from edgert.errors import FileFormatError
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.merge import merge_run
 from edgert.localcluster import LocalCluster
@@ -113,7 +114,7 @@ def test_a_damaged_source_model_is_named(trained_run, tmp_path):
 def test_merge_refuses_a_checkpoint_step_that_is_not_a_number(trained_run, tmp_path):
     run = copy_run(trained_run, tmp_path)
     (run / "checkpoints" / "latest" / "checkpoint.json").write_text('{"step": "x"}')
-    with pytest.raises(Exception, match='"step" must be a step number'):
+    with pytest.raises(FileFormatError, match="checkpoint.json: step: expected an integer, got 'x'"):
         merge_run(run, tmp_path / "m.onnx")
 
 
