@@ -22,6 +22,7 @@ from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
 from edgert.protocol import WEIGHTS
+from edgert.recovery import gather_holdings
 from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, SyncClient
 from edgert.weights import load_state
@@ -146,6 +147,9 @@ def test_a_run_restores_only_its_own_copies(plan4, clean, tmp_path):
             with pytest.raises(BadRequest, match="this worker is in run"):
                 client.request("FETCH", survivor, WEIGHTS, Envelope(kind="control", run_id=first_run,
                                                                     meta={"names": ["x"], "copy_step": 19}))
+            second_run = read_run_id(tmp_path / "same")
+            assert client.call(gather_holdings(client.client, [survivor], first_run)) == {survivor: []}
+            assert client.call(gather_holdings(client.client, [survivor], second_run))[survivor]
     assert read_run_id(tmp_path / "same") != first_run
     events = recoveries(tmp_path / "same")
     assert outcome.result.steps == STEPS and len(events) == 1

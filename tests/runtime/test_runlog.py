@@ -196,3 +196,17 @@ def test_resume_records_in_the_folder_it_is_given(tmp_path):
     (moved / "run.json").write_text(json.dumps({"run_id": "abc", "config": config}))
     resumed = resumed_config(moved)
     assert resumed.out_dir == moved and resumed.resume
+
+
+def test_train_without_out_uses_a_new_folder_each_time_and_says_which(tmp_path):
+    """Item 4: the default run folder never collides (here the runs fail at once: no worker answers)."""
+    (tmp_path / "plan").mkdir()
+    folders = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "edgert", "train", "plan", "--workers", "coap+tcp://127.0.0.1:9",
+                               "--insecure"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        said = [line for line in done.stderr.splitlines() if line.startswith("run folder: ")]
+        assert len(said) == 1, done.stderr
+        folders.append(said[0].removeprefix("run folder: "))
+    day = time.strftime("%Y-%m-%d")
+    assert folders == [f"runs/{day}-1", f"runs/{day}-2"] and all((tmp_path / f).is_dir() for f in folders)
