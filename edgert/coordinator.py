@@ -289,7 +289,12 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
             chunk, ends_epoch = self._chunks(plan[position:])[0]
             try:
                 while chunk:
-                    done = await self._run_segment(chunk, final=position + len(chunk) == len(plan))
+                    started = self.ledger.begin_segment()
+                    try:
+                        done = await self._run_segment(chunk, final=position + len(chunk) == len(plan))
+                    finally:  # the time training took, also when a failure cut the segment short
+                        self.log.record("segment", first_step=chunk[0].step, started_s=started,
+                                        seconds=round(self.log.elapsed() - started, 6))
                     position += done
                     chunk = chunk[done:]
                     self.ledger.reset_timing()

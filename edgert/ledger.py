@@ -54,6 +54,7 @@ class StepLedger:
         self._last_finish: float | None = None
         self.recent: deque[StepRecord] = deque(maxlen=max(history, 1))
         self.placement = 0
+        self.segment_started_s = 0.0
 
     def configure(self, names: list[str]) -> None:
         """The workers (by stage) of the steps expected from now on: a new placement."""
@@ -129,6 +130,12 @@ class StepLedger:
     def missing(self, step: int) -> list[int]:
         return [k for k in range(self.stages) if k not in self._pending.get(step, {})]
 
+    def begin_segment(self) -> float:
+        """A segment of steps starts now; returns its start as a ``time_s``. Its steps' lines carry it,
+        so the time a segment ran can be read from disk even if the coordinator dies during it."""
+        self.segment_started_s = self.log.elapsed()
+        return self.segment_started_s
+
     def reset_timing(self) -> None:
         """After a pause (evaluation, re-plan), the next step's time starts from its own start."""
         self._last_finish = None
@@ -156,7 +163,8 @@ class StepLedger:
         self.done_through = max(self.done_through, step)
         self.recent.append(record)
         self.log.record("step", step=step, epoch=epoch, loss=loss, accuracy=accuracy, samples=samples,
-                        samples_per_s=round(samples / elapsed, 2), step_ms=round(elapsed * 1000, 3), stages=stages)
+                        samples_per_s=round(samples / elapsed, 2), step_ms=round(elapsed * 1000, 3), stages=stages,
+                        segment_started_s=self.segment_started_s)
         del self._pending[step]
         self._events.pop(step).set()
         if self.on_complete is not None:

@@ -39,8 +39,8 @@ def summarise(run_dir: Path) -> RunSummary:
     """The summary of the run in ``run_dir`` as its records stand.
 
     ``steps``: the steps the model has taken (every step before a rollback's ``resume_step``
-    is in it, recorded or not); ``train_seconds``: the time of every step that ran, replays
-    included, so ``samples_per_s`` is the rate the run really achieved.
+    is in it, recorded or not); ``train_seconds``: the time of every segment that ran, replays
+    and segments a failure cut short included, so ``samples_per_s`` is the rate the run achieved.
     """
     run_dir = Path(run_dir)
     run = json.loads((run_dir / RUN_FILE).read_text())
@@ -51,7 +51,7 @@ def summarise(run_dir: Path) -> RunSummary:
     rollbacks = [r for r in kept if r.get("event") in ROLLBACK_EVENTS and "resume_step" in r]
     done = max([r["step"] + 1 for r in steps] + [r["resume_step"] for r in rollbacks], default=0)
     samples = done * int(config["batch_size"])  # every step trains one full batch (edgert/data.py)
-    seconds = sum(r["step_ms"] for r in _of_type(written, "step")) / 1000
+    seconds = _training_seconds(written)
     workers = _workers(steps, rollbacks, run.get("workers", []))
     busy: dict[str, float] = {}
     for record in _of_type(written, "step"):
@@ -77,6 +77,19 @@ def count_events(run_dir: Path, *names: str) -> list[int]:
     except FileNotFoundError:
         written = []
     return [len(_events(written, name)) for name in names]
+
+
+def _training_seconds(written: list[dict[str, Any]]) -> float:
+    """The time every segment ran: its ``segment`` line, or, for one a killed coordinator never
+    closed, up to its last ``step`` line."""
+    segments: dict[float, float] = {}
+    for record in _of_type(written, "step"):
+        if "segment_started_s" in record:
+            start = record["segment_started_s"]
+            segments[start] = max(segments.get(start, 0.0), record["time_s"] - start)
+    for record in _of_type(written, "segment"):
+        segments[record["started_s"]] = record["seconds"]
+    return sum(segments.values())
 
 
 def _of_type(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

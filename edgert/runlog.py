@@ -93,9 +93,13 @@ class RunLog:
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
         return path
 
+    def elapsed(self) -> float:
+        """Seconds since the run first started: the ``time_s`` of a line written now."""
+        return round(time.time() - self.started, 6)
+
     def record(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Append one line ``{"type": kind, "time_s": ..., **fields}`` to metrics.jsonl."""
-        line = {"type": kind, "time_s": round(time.time() - self.started, 6), **fields}
+        line = {"type": kind, "time_s": self.elapsed(), **fields}
         self._metrics.write(json.dumps(line, default=_jsonable) + "\n")
         return line
 

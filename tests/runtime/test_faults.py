@@ -257,11 +257,15 @@ def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
     assert len(events) == 1 and events[0]["snapshot_step"] >= 9
     assert relative_difference(parameters(moved), clean_params) <= 1e-4
     # item 5: each step read once; C4: the summary covers both processes
-    written = [m for m in read_metrics(moved, superseded=True) if m["type"] == "step"]
+    written = read_metrics(moved, superseded=True)
+    resumed_at = next(k for k, m in enumerate(written) if m.get("event") == "resume")
+    assert not [m for m in written[:resumed_at] if m["type"] == "segment"]  # killed in its first segment
+    killed = [m for m in written[:resumed_at] if m["type"] == "step"][-1]
+    later = sum(m["seconds"] for m in written[resumed_at:] if m["type"] == "segment")
     assert [m["step"] for m in read_metrics(moved) if m["type"] == "step"] == list(range(STEPS))
     summary = json.loads(resumed.stdout)
     assert summary["steps"] == STEPS and summary["samples"] == STEPS * 64
-    assert summary["train_seconds"] == pytest.approx(sum(m["step_ms"] for m in written) / 1000, abs=0.01)
+    assert summary["train_seconds"] == pytest.approx(killed["time_s"] - killed["segment_started_s"] + later, abs=0.01)
     assert summary["samples_per_s"] == pytest.approx(summary["samples"] / summary["train_seconds"], rel=0.01)
     # C3: the killed coordinator's trace is kept and continued: spans of the first and the last step
     trace = json.loads((moved / "trace.json").read_text())

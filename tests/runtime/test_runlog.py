@@ -144,29 +144,36 @@ def test_a_folder_holds_one_run(tmp_path):
 
 
 def test_summary_covers_every_process_of_a_resumed_run(tmp_path):
-    """C4: two coordinator processes, two recoveries and a resume: the summary counts them all."""
+    """C4: two coordinator processes, two recoveries and a resume: the summary counts them all,
+    also the time of the segment the killed coordinator never closed."""
     (tmp_path / "run.json").write_text(json.dumps({"run_id": "r", "workers": ["w0", "w1"],
                                                    "config": {"batch_size": BATCH, "epochs": 1,
                                                               "schedule": "1f1b"}}))
     first = RunLog(tmp_path, started=1000.0)
     ledger = StepLedger(first)
     ledger.configure(["w0", "w1"])
-    complete(ledger, range(6))  # 6 steps of 500 ms each
+    started = ledger.begin_segment()
+    complete(ledger, range(6))
+    first.record("segment", first_step=0, started_s=started, seconds=3.5)  # cut short by a failure
     first.event("recovery", resume_step=4, snapshot_step=3, workers=["w0", "w1"])
+    ledger.begin_segment()
     complete(ledger, range(4, 8))
-    first.event("recovery", resume_step=8, snapshot_step=7, workers=["w0", "w1"])
-    # killed here; a new process resumes from the snapshot after step 5
+    time.sleep(0.3)
+    complete(ledger, range(8, 9))  # killed after this step, before the segment ended
     second = RunLog(tmp_path, started=1000.0)
     second.event("resume", snapshot_step=5, resume_step=6, workers=["w1", "w0"])
     ledger = StepLedger(second)
     ledger.configure(["w1", "w0"])
+    started = ledger.begin_segment()
     complete(ledger, range(6, 10), names=("w1", "w0"))
+    second.record("segment", first_step=6, started_s=started, seconds=2.0)
     summary = summarise(tmp_path)
-    assert summary.recoveries == 2 and summary.steps == 10 and summary.samples == 10 * BATCH
-    assert summary.train_seconds == pytest.approx(14 * 0.5)  # every step that ran, replays too
-    assert summary.samples_per_s == pytest.approx(10 * BATCH / 7.0, rel=1e-3)
-    assert summary.workers == ["w1", "w0"]
-    assert summary.stage_utilisation == pytest.approx([14 * 3.0 / 1000 / 7.0] * 2, rel=1e-3)
+    assert summary.recoveries == 1 and summary.steps == 10 and summary.samples == 10 * BATCH
+    assert summary.train_seconds == pytest.approx(5.8, abs=0.25)  # 3.5 + 0.3 (unclosed) + 2.0
+    assert summary.samples_per_s == pytest.approx(10 * BATCH / summary.train_seconds, rel=1e-3)
+    assert summary.workers == ["w1", "w0"] and summary.train_loss == 0.5
+    busy = 15 * 3.0 / 1000  # 15 steps ran, 3 ms of compute per stage each
+    assert summary.stage_utilisation == pytest.approx([busy / summary.train_seconds] * 2, rel=1e-2)
 
 
 def test_train_refuses_a_folder_holding_a_run_in_one_line(tmp_path):
