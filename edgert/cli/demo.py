@@ -38,12 +38,13 @@ def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_ba
     from edgert.localcluster import LocalCluster
     from edgert.manifest import TrainingConfig
     from edgert.models import build_model, get_model_spec, save_model
-    from edgert.runlog import claim_run_folder, new_run_folder
+    from edgert.runlog import holds_run, new_run_folder
 
     spec = get_model_spec(model)
     if out_dir is None:
         out_dir = new_run_folder(prefix="demo-")
-    claim_run_folder(out_dir)
+    if holds_run(out_dir):
+        raise click.UsageError(f"--out {out_dir} already holds a run; choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = out_dir / f"{model}.onnx"
     save_model(build_model(model), model_path)
