@@ -23,7 +23,9 @@ Map of the package (the folder layout is the architecture):
   - ``checkpoint.py``     :class:`CheckpointInfo`: a checkpoint folder's ``checkpoint.json``
   - ``devices.py``, ``profiler.py``  devices.json; measuring a stage on this device
   - ``typed_json.py``     strict JSON -> dataclass loading behind devices.json and checkpoint.json
-  - ``data.py``, ``evaluation.py``, ``runlog.py``, ``progress.py``, ``localcluster.py``
+  - ``runlog.py``        the run folder: one run each, metrics.jsonl, and the rule for reading it back
+  - ``tracefile.py``, ``run_summary.py``  trace.json streamed to disk; the whole run's summary, from disk
+  - ``data.py``, ``evaluation.py``, ``progress.py``, ``localcluster.py``
   - ``fault_injection.py``, ``recovery_bench.py``  SIGKILLs on cue; the recovery benchmark
   - ``cli/``              the ``edgert`` command line
 - ``edgert.exporter``     host side: analyse, slice, build artifacts, check (needs ``onnx``)

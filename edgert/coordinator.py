@@ -19,7 +19,7 @@ import shutil
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from edgert.coordinator_replan import ReplanMixin
 from edgert.data import Batch, batches, load_training_data
 from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
-from edgert.ledger import StepLedger
+from edgert.ledger import HISTORY, StepLedger
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, Manifest, load_manifest
 from edgert.progress import Progress
 from edgert.protocol import (
@@ -51,7 +51,8 @@ from edgert.protocol import (
     truncate_envelope,
 )
 from edgert.recovery import CentralCopies, FailureWatch, WorkerFailure
-from edgert.runlog import RunLog
+from edgert.run_summary import RunSummary, count_events, summarise
+from edgert.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
 from edgert.schedule import SCHEDULES
 from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.server import parse_url
@@ -97,27 +98,8 @@ class TrainConfig:
     central_every: int = 100  # steps between copies to the coordinator, kept on disk (0: off)
     replicas: int = 1  # neighbours each stage's copy goes to
     resume: bool = False  # continue the run in out_dir from its newest snapshot
+    overwrite: bool = False  # out_dir may hold another run: its records are removed
     keys: Path | None = None  # the cluster keystore (edgert keys init); None: plaintext (--insecure)
-
-
-@dataclass
-class RunSummary:
-    """What ``edgert train --json`` prints."""
-
-    run_dir: str
-    steps: int
-    epochs: int
-    samples: int
-    train_seconds: float
-    samples_per_s: float
-    train_loss: float | None
-    test_loss: float | None
-    test_accuracy: float | None
-    stage_utilisation: list[float] = field(default_factory=list)
-    workers: list[str] = field(default_factory=list)
-    schedule: str = ""
-    replans: int = 0
-    recoveries: int = 0
 
 
 class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
@@ -126,12 +108,19 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
     def __init__(self, config: TrainConfig):
         self.config = config
         self._check_config()
+        if not config.resume:  # before anything is loaded: a folder holding another run is refused at once
+            claim_run_folder(config.out_dir, config.overwrite)
         self.plan_dir = config.plan_dir
         self.manifest: Manifest = load_manifest(config.plan_dir)
         if len(config.workers) != len(self.manifest.stages) and not config.resume:
             raise TrainingError(f"the plan has {len(self.manifest.stages)} stages but {len(config.workers)} "
                                 f"worker(s) were given; give one --workers URL per stage")
-        self.run_id = config.out_dir.name or "run"
+        if config.resume:
+            saved = read_run_file(config.out_dir)
+            # a run folder written before runs had their own ids is named by its folder
+            self.run_id, self.started = str(saved.get("run_id") or config.out_dir.name), saved.get("started")
+        else:
+            self.run_id, self.started = new_run_id(), time.time()
         self.dataset = load_training_data(config.data, self.manifest, config.seed)
         self.security = None
         if config.keys is not None:
@@ -160,7 +149,8 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         self.ledger: StepLedger | None = None
         self.replanner = None
         self.replans = 0
-        self._train_seconds = 0.0
+        if config.resume:  # plans/plan<N> and plans/recovery<N> go on from the run's earlier processes
+            self.replans, self._recoveries = count_events(config.out_dir, "replan", "recovery")
         self._progress: Progress | None = None
         self._settings: LinkSettings | None = None
         self._evaluator: Evaluator | None = None
@@ -191,8 +181,8 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
 
     async def run(self) -> RunSummary:
         """Connect, assign, train, evaluate; always releases the workers."""
-        self.log = RunLog(self.config.out_dir)
-        self.ledger = StepLedger(self.log, self._show_step)
+        self.log = RunLog(self.config.out_dir, self.started)
+        self.ledger = StepLedger(self.log, self._show_step, history=max(HISTORY, self.config.replan_every))
         try:
             await self.server.start()
             await self._connect_workers()
@@ -209,8 +199,8 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                 start = 0
             self.watch = FailureWatch(self.client, self._on_worker_failure)
             self.watch.watch(list(self.known))
-            test = await self._train(start)
-            return self._summary(test)
+            await self._train(start)
+            return self._summary()
         finally:
             if self.watch is not None:
                 await self.watch.close()
@@ -243,9 +233,9 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
             if source.is_file():
                 shutil.copyfile(source, plan_copy / "source.onnx")
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self.config).items()}
-        self.log.write_json("run.json", {"run_id": self.run_id, "config": config, "workers": self.names,
-                                         "plan": str(self.config.plan_dir.resolve()),
-                                         "stages": len(self.manifest.stages)})
+        self.log.write_json(RUN_FILE, {"run_id": self.run_id, "started": self.log.started, "config": config,
+                                       "workers": self.names, "plan": str(self.config.plan_dir.resolve()),
+                                       "stages": len(self.manifest.stages)})
 
     @property
     def _fault_tolerant(self) -> bool:
@@ -287,27 +277,29 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
 
     # -- training ----------------------------------------------------------------------------
 
-    async def _train(self, start_step: int = 0) -> tuple[float | None, float | None]:
+    async def _train(self, start_step: int = 0) -> None:
         config = self.config
         plan = list(batches(len(self.dataset.x_train), config.batch_size, config.epochs, config.seed, config.steps))
         if not plan:
             raise TrainingError("no training step to run: the data set is smaller than one batch")
         self._progress = Progress(len(plan), enabled=config.progress)
         self._evaluator = Evaluator(self.plan_dir, self.manifest)
-        test: tuple[float | None, float | None] = (None, None)
         position = next((k for k, batch in enumerate(plan) if batch.step >= start_step), len(plan))
         while position < len(plan):
             chunk, ends_epoch = self._chunks(plan[position:])[0]
             try:
                 while chunk:
-                    started = time.perf_counter()
-                    done = await self._run_segment(chunk, final=position + len(chunk) == len(plan))
-                    self._train_seconds += time.perf_counter() - started
+                    started = self.ledger.begin_segment()
+                    try:
+                        done = await self._run_segment(chunk, final=position + len(chunk) == len(plan))
+                    finally:  # the time training took, also when a failure cut the segment short
+                        self.log.record("segment", first_step=chunk[0].step, started_s=started,
+                                        seconds=round(self.log.elapsed() - started, 6))
                     position += done
                     chunk = chunk[done:]
                     self.ledger.reset_timing()
                 if ends_epoch:
-                    test = await self._evaluate(plan[position - 1].epoch, plan[position - 1].step)
+                    await self._evaluate(plan[position - 1].epoch, plan[position - 1].step)
                 if position < len(plan) and plan[position].step in dict(config.replan_at):
                     await self._forced_replan(plan[position].step)
             except (WorkerFailure, TransportError, AssignmentError) as error:
@@ -315,10 +307,9 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                 if not self._fault_tolerant:
                     raise TrainingError(f"{failure} (fault tolerance is off: --replicate-every 0)") from None
                 resume = await self._recover(failure)
-                position = next(k for k, batch in enumerate(plan) if batch.step == resume)
+                position = next((k for k, batch in enumerate(plan) if batch.step == resume), len(plan))
             self.ledger.reset_timing()
         await self._settle_evaluations()
-        return test
 
     def _chunks(self, plan: list[Batch]) -> list[tuple[list[Batch], bool]]:
         """Segments: an epoch (under ``async``, every epoch left), cut before every forced re-plan.
@@ -450,17 +441,9 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
 
         return list(await asyncio.gather(*(fetch(url) for url in self.order)))
 
-    def _summary(self, test: tuple[float | None, float | None]) -> RunSummary:
-        wall = max(self._train_seconds, 1e-9)
-        names = list(self.known.values())
-        summary = RunSummary(
-            run_dir=str(self.config.out_dir), steps=self.ledger.completed, epochs=self.config.epochs,
-            samples=self.ledger.samples, train_seconds=round(self._train_seconds, 3),
-            samples_per_s=round(self.ledger.samples / wall, 2), train_loss=self.ledger.last_loss,
-            test_loss=test[0], test_accuracy=test[1],
-            stage_utilisation=[round(self.ledger.busy_ms.get(n, 0.0) / 1000 / wall, 4) for n in self.names],
-            workers=self.names if self.names else names, schedule=self.config.schedule, replans=self.replans,
-            recoveries=self._recoveries)
+    def _summary(self) -> RunSummary:
+        """The whole run's summary, from its records on disk (every process of it, across resumes)."""
+        summary = summarise(self.config.out_dir)
         self.log.record("summary", **dataclasses.asdict(summary))
         return summary
 
@@ -480,12 +463,23 @@ def _local_address_towards(url: str) -> str:
         probe.close()
 
 
-def resumed_config(run_dir: Path, workers: list[str] | None = None) -> TrainConfig:
-    """The config of the run in ``run_dir`` (its run.json), set to resume; workers may be replaced."""
-    path = Path(run_dir) / "run.json"
+def read_run_file(run_dir: Path) -> dict[str, Any]:
+    """A run folder's run.json."""
+    path = Path(run_dir) / RUN_FILE
     if not path.is_file():
-        raise TrainingError(f"{run_dir}: no run.json; is this a run folder written by `edgert train`?")
-    saved = json.loads(path.read_text())["config"]
+        raise TrainingError(f"{run_dir}: no {RUN_FILE}; is this a run folder written by `edgert train`?")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise TrainingError(f"{path}: unreadable ({error})") from None
+
+
+def resumed_config(run_dir: Path, workers: list[str] | None = None) -> TrainConfig:
+    """The config of the run in ``run_dir`` (its run.json), set to resume there; workers may be replaced.
+
+    ``run_dir`` is the run folder, wherever it is now (the folder stored in run.json may have moved).
+    """
+    saved = read_run_file(run_dir)["config"]
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in saved.items() if k in fields}
     for name in ("plan_dir", "out_dir", "devices", "keys"):
@@ -493,7 +487,7 @@ def resumed_config(run_dir: Path, workers: list[str] | None = None) -> TrainConf
             values[name] = Path(values[name])
     values["workers"] = tuple(workers) if workers else tuple(values["workers"])
     values["replan_at"] = tuple((step, tuple(cuts) if cuts else None) for step, cuts in values.get("replan_at", ()))
-    return TrainConfig(**{**values, "resume": True})
+    return TrainConfig(**{**values, "out_dir": Path(run_dir), "resume": True, "overwrite": False})
 
 
 def train(config: TrainConfig) -> RunSummary:

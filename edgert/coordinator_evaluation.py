@@ -31,6 +31,7 @@ class EvaluationMixin:
         self._evaluations: list[asyncio.Task] = []
         self._evaluation_lock = asyncio.Lock()  # one evaluator, one checkpoint folder
         self._checkpoint_arrived = asyncio.Event()  # set whenever an awaited epoch end's copies are all in
+        self._shown: dict[int, tuple] = {}  # epoch -> the evaluation printed for it (a replay prints it once)
 
     def _expect_checkpoints(self, epochs_by_step: dict[int, int]) -> None:
         """Evaluate after these steps (epoch ends inside a segment) once every stage's copy is in."""
@@ -103,9 +104,11 @@ class EvaluationMixin:
                 None, self._evaluator.evaluate, states, self.dataset.x_test, self.dataset.y_test)
         self.log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
                         checkpoint_bytes=written, source=source)
-        if self._progress is not None:
+        if self._progress is not None and self._shown.get(epoch) != (loss, accuracy):
+            again = " (replayed)" if epoch in self._shown else ""
+            self._shown[epoch] = (loss, accuracy)
             accuracy_text = f", test accuracy {accuracy:.4f}" if accuracy is not None else ""
-            self._progress.message(f"epoch {epoch + 1}: test loss {loss:.4f}{accuracy_text}")
+            self._progress.message(f"epoch {epoch + 1}: test loss {loss:.4f}{accuracy_text}{again}")
         return loss, accuracy
 
     def _copy_plan(self, target: Path) -> None:

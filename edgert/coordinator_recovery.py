@@ -52,6 +52,8 @@ class RecoveryMixin:
 
     async def _on_weights_fetch(self, request: Request) -> Envelope:
         """Copies as of a step, for workers taking over blocks during a recovery."""
+        if request.envelope.run_id != self.run_id:
+            raise BadRequest(f"copies of run {request.envelope.run_id!r} asked for; this is run {self.run_id!r}")
         meta = request.envelope.meta
         names, step = meta.get("names"), meta.get("copy_step")
         if not isinstance(names, list) or not isinstance(step, int):
@@ -140,7 +142,7 @@ class RecoveryMixin:
             self.known.pop(url, None)
         lost_at = self.ledger.completed_through
         await asyncio.gather(*(self._stop(url) for url in survivors))
-        holdings = await gather_holdings(self.client, survivors)
+        holdings = await gather_holdings(self.client, survivors, self.run_id)
         holdings[COORDINATOR] = self.central.holdings()
         names = {p.name for stage in self.manifest.stages for p in stage.parameters}
         snapshot = newest_snapshot(holdings, names)  # None: no copy yet, start over from the initial state
@@ -195,8 +197,8 @@ class RecoveryMixin:
         await assign(self.client, manifest, plan_dir, self.order, self.names, self._settings)
         await self._restore(manifest, self.order, step, {COORDINATOR: self.central.holdings()})
         self.ledger.restart(self.names, after=step)
-        self.ledger.completed, self.ledger.samples = step + 1, (step + 1) * self.config.batch_size
-        self.log.event("resume", snapshot_step=step, workers=self.names, cuts=list(manifest.cuts))
+        self.log.event("resume", snapshot_step=step, resume_step=step + 1, workers=self.names,
+                       cuts=list(manifest.cuts), process_started_s=self.log.opened_s)
         return step + 1
 
     async def _restore(self, manifest, order: list[str], snapshot: int | None, holdings: dict) -> float:

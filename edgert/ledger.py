@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,25 +32,29 @@ class StepRecord:
     placement: int = 0  # which placement (cuts and workers) ran it: times of another one are not comparable
 
 
-class StepLedger:
-    """Collects step reports; completes steps; keeps what re-planning and the summary need."""
+HISTORY = 64  # completed steps kept for re-planning's medians; older ones are on disk only
 
-    def __init__(self, log: RunLog, on_complete: Callable[[StepRecord], None] | None = None):
+
+class StepLedger:
+    """Collects step reports; completes steps; keeps the last few for re-planning (memory does not
+    grow with the run: metrics.jsonl has every step)."""
+
+    def __init__(self, log: RunLog, on_complete: Callable[[StepRecord], None] | None = None,
+                 history: int = HISTORY):
         self.log = log
         self.on_complete = on_complete
         self.stages = 0
         self.names: list[str] = []
         self.failure: str | None = None
-        self.completed = 0
-        self.samples = 0
-        self.last_loss: float | None = None
-        self.busy_ms: dict[str, float] = {}
+        self.completed_through = -1  # the newest completed step (-1: none)
+        self.done_through = -1  # the newest step the model has taken: completed, or in a snapshot
         self._pending: dict[int, dict[int, StepReport]] = {}
         self._meta: dict[int, tuple[int, int]] = {}  # step -> (epoch, samples)
         self._events: dict[int, asyncio.Event] = {}
         self._last_finish: float | None = None
-        self.recent: list[StepRecord] = []
+        self.recent: deque[StepRecord] = deque(maxlen=max(history, 1))
         self.placement = 0
+        self.segment_started_s = 0.0
 
     def configure(self, names: list[str]) -> None:
         """The workers (by stage) of the steps expected from now on: a new placement."""
@@ -92,9 +97,9 @@ class StepLedger:
             event.set()
 
     @property
-    def completed_through(self) -> int:
-        """The newest completed step, -1 before any."""
-        return max((r.step for r in self.recent), default=-1)
+    def completed(self) -> int:
+        """How many steps the model has taken (steps run in order from 0)."""
+        return self.done_through + 1
 
     def restart(self, names: list[str], after: int) -> list[int]:
         """Training goes on from step ``after + 1`` on these workers: later steps are forgotten.
@@ -104,14 +109,10 @@ class StepLedger:
         Returns those steps; they have no metrics line.
         """
         vouched = sorted(step for step in self._pending if step <= after)
-        for step in vouched:
-            self.completed += 1
-            self.samples += self._meta[step][1]
         self.forget(list(self._pending))
-        undone = [r for r in self.recent if r.step > after]
-        self.completed -= len(undone)
-        self.samples -= sum(r.samples for r in undone)
-        self.recent = [r for r in self.recent if r.step <= after]
+        self.done_through = after
+        self.completed_through = min(self.completed_through, after)
+        self.recent = deque((r for r in self.recent if r.step <= after), maxlen=self.recent.maxlen)
         self.failure = None
         self.configure(names)
         self.reset_timing()
@@ -129,6 +130,12 @@ class StepLedger:
     def missing(self, step: int) -> list[int]:
         return [k for k in range(self.stages) if k not in self._pending.get(step, {})]
 
+    def begin_segment(self) -> float:
+        """A segment of steps starts now; returns its start as a ``time_s``. Its steps' lines carry it,
+        so the time a segment ran can be read from disk even if the coordinator dies during it."""
+        self.segment_started_s = self.log.elapsed()
+        return self.segment_started_s
+
     def reset_timing(self) -> None:
         """After a pause (evaluation, re-plan), the next step's time starts from its own start."""
         self._last_finish = None
@@ -145,7 +152,6 @@ class StepLedger:
         stages = []
         for k in range(self.stages):
             r = reports[k]
-            self.busy_ms[self.names[k]] = self.busy_ms.get(self.names[k], 0.0) + r.compute_ms
             stages.append({"stage": k, "worker": self.names[k], "forward_ms": round(r.forward_ms, 3),
                            "backward_ms": round(r.backward_ms, 3), "optimizer_ms": round(r.optimizer_ms, 3),
                            "idle_ms": round(r.idle_ms, 3), "transfer_ms": round(r.send_ms, 3),
@@ -153,12 +159,12 @@ class StepLedger:
             if r.replicated_bytes:  # the steps after which this stage sent its copies
                 stages[-1].update(replication_ms=round(r.replication_ms, 3), replicated_bytes=r.replicated_bytes)
         record = StepRecord(step, epoch, samples, loss, accuracy, elapsed * 1000, stages, self.placement)
-        self.completed += 1
-        self.samples += samples
-        self.last_loss = loss
+        self.completed_through = max(self.completed_through, step)
+        self.done_through = max(self.done_through, step)
         self.recent.append(record)
         self.log.record("step", step=step, epoch=epoch, loss=loss, accuracy=accuracy, samples=samples,
-                        samples_per_s=round(samples / elapsed, 2), step_ms=round(elapsed * 1000, 3), stages=stages)
+                        samples_per_s=round(samples / elapsed, 2), step_ms=round(elapsed * 1000, 3), stages=stages,
+                        segment_started_s=self.segment_started_s)
         del self._pending[step]
         self._events.pop(step).set()
         if self.on_complete is not None:
@@ -194,7 +200,7 @@ class StepLedger:
         return False
 
     def _window(self, last: int) -> list[StepRecord]:
-        return [r for r in self.recent[-last:] if r.placement == self.placement]
+        return [r for r in list(self.recent)[-last:] if r.placement == self.placement]
 
     def median_step_ms(self, last: int) -> float:
         window = self._window(last)

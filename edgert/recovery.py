@@ -96,13 +96,17 @@ class FailureWatch:
         self._tasks.clear()
 
 
-async def gather_holdings(client: TensorClient, urls: list[str]) -> dict[str, list[Holding]]:
-    """Every surviving worker's copies (GET /replica)."""
+async def gather_holdings(client: TensorClient, urls: list[str], run_id: str) -> dict[str, list[Holding]]:
+    """Every surviving worker's copies of run ``run_id`` (GET /replica); a worker still in another
+    run (an idle one that joined) holds none of this run's."""
 
     async def one(url: str) -> list[Holding]:
         try:
             response = await client.get(url, REPLICA, timeout=5.0, retries=1)
-            return holdings_from_meta(response.envelope().meta.get("holdings", []))
+            envelope = response.envelope()
+            if envelope.run_id != run_id:
+                return []
+            return holdings_from_meta(envelope.meta.get("holdings", []))
         except (TransportError, OSError):
             return []
 

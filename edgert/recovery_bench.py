@@ -296,7 +296,8 @@ class _Bench:
             raise EdgertError(f"edgert train --resume failed (exit {resumed.returncode}); see {logs / 'resume.log'}")
         seen, step = first
         event = next(r for _, r in tail.records[before:] if r.get("event") == "resume")
-        log_started = seen - step["time_s"]  # when the resumed coordinator opened the run log (monotonic)
+        opened = event["process_started_s"]  # the run's time_s when the resumed coordinator opened the run log
+        log_started = seen - (step["time_s"] - opened)  # the same moment, on this process's monotonic clock
         summary = json.loads(output)
         restart_s = detection_s + seen - kill.at
         row = {"section": "restart", "run": "restart from the coordinator's snapshot",
@@ -304,7 +305,7 @@ class _Bench:
                "detection_s": detection_s, "stop_s": round(stopped - kill.at, 3),
                "workers_start_s": round(workers_up - stopped, 3),
                "coordinator_start_s": round(log_started - launched, 3),
-               "replan_restore_s": round(event["time_s"], 3),
+               "replan_restore_s": round(event["time_s"] - opened, 3),
                "first_step_s": round(step["time_s"] - event["time_s"], 3),
                "snapshot_step": event["snapshot_step"], "steps_lost": kill.step - event["snapshot_step"],
                "new_cuts": event["cuts"], "steps": summary["steps"], "test_accuracy": summary["test_accuracy"]}

@@ -58,6 +58,7 @@ class StateResources:
     async def _on_weights_fetch(self, request: Request) -> Envelope:
         """Some of the state, by name: ``meta.names``; ``meta.previous`` for the stage held before the
         latest assignment (what re-partitioning moves between workers)."""
+        self._check_run(request.envelope)  # never another run's state
         meta = request.envelope.meta
         names = meta.get("names")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):

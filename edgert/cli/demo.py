@@ -24,11 +24,11 @@ def _say(text: str) -> None:
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=3e-3, show_default=True)
 @click.option("--slowdowns", default=None, help="Emulated slowdown per worker, e.g. 1,2,5,10.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"),
-              show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Run folder; default a new runs/demo-<date>-<n>. A folder that holds a run is refused.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
 def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_batches: int, schedule: str,
-                 learning_rate: float, slowdowns: str | None, out_dir: Path, as_json: bool) -> None:
+                 learning_rate: float, slowdowns: str | None, out_dir: Path | None, as_json: bool) -> None:
     """Build a zoo model, cut it into stages, train it on local workers, report."""
     require_host_extra("demo")
     from edgert.cli.runtime import print_summary
@@ -38,8 +38,13 @@ def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_ba
     from edgert.localcluster import LocalCluster
     from edgert.manifest import TrainingConfig
     from edgert.models import build_model, get_model_spec, save_model
+    from edgert.runlog import holds_run, new_run_folder
 
     spec = get_model_spec(model)
+    if out_dir is None:
+        out_dir = new_run_folder(prefix="demo-")
+    if holds_run(out_dir):
+        raise click.UsageError(f"--out {out_dir} already holds a run; choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = out_dir / f"{model}.onnx"
     save_model(build_model(model), model_path)

@@ -108,8 +108,10 @@ async def _serve(worker) -> None:
 @click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True,
               help="recompute: keep each in-flight micro-batch's inputs, recompute its forward in the backward; "
                    "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/run"),
-              show_default=True, help="Run folder (metrics.jsonl, trace.json, checkpoints).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Run folder (metrics.jsonl, trace.json, checkpoints); default a new runs/<date>-<n>. "
+                   "A folder that holds a run is refused (see --resume, --overwrite).")
+@click.option("--overwrite", is_flag=True, help="Replace the run in --out (its records are deleted).")
 @click.option("--listen", type=CoapUrl(), default=None,
               help="Where workers report to (default coaps+tcp://0.0.0.0:0, coap+tcp://... with --insecure).")
 @click.option("--keys", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -132,22 +134,28 @@ async def _serve(worker) -> None:
               help="Steps between copies to this coordinator, kept on disk (0: off).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Neighbours each stage's copy goes to.")
 @click.option("--resume", "resume_run", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Continue the run in this folder from its newest snapshot (PLAN and options come from it).")
+              help="Continue the run in this folder, and record there, from its newest snapshot "
+                   "(PLAN and options come from it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int | None, batch_size: int,
                   micro_batches: int, schedule: str, learning_rate: float | None, seed: int, codec: str,
-                  grad_codec: str, threads: int, memory_mode: str, out_dir: Path, listen: str | None, keys: Path | None,
+                  grad_codec: str, threads: int, memory_mode: str, out_dir: Path | None, overwrite: bool,
+                  listen: str | None, keys: Path | None,
                   insecure: bool, advertise: str | None,
                   step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
                   replan_at: tuple[str, ...], devices: Path | None, replicate_every: int, central_every: int,
                   replicas: int, resume_run: Path | None, as_json: bool, log_level: str) -> None:
     """Train PLAN across WORKERS (one per stage) and record the run."""
     from edgert.coordinator import TrainConfig, resumed_config, train
+    from edgert.runlog import new_run_folder
 
     _logging(log_level)
+    if resume_run is not None and (out_dir is not None or overwrite):
+        raise click.UsageError("--resume records in the run folder it continues: give no --out or --overwrite")
     if resume_run is not None:
         config = resumed_config(resume_run, workers.split(",") if workers else None)
+        click.echo(f"run folder: {resume_run} (resumed)", err=True)
         if config.keys is None:
             click.echo(INSECURE_WARNING.format(what="the coordinator or a worker"), err=True)
         print_summary(train(config), as_json)
@@ -156,6 +164,9 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
         raise click.UsageError("give PLAN and --workers (or --resume RUN_DIR)")
     keys = host_keys(keys, insecure)
     _check_listen(listen, keys is not None)
+    if out_dir is None:
+        out_dir = new_run_folder()
+    click.echo(f"run folder: {out_dir}", err=True)
     config = TrainConfig(
         plan_dir=plan, workers=tuple(w.strip() for w in workers.split(",") if w.strip()), out_dir=out_dir,
         data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
@@ -164,7 +175,7 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
         keys=keys, advertise=advertise,
         step_timeout=step_timeout, replan=replan, replan_every=replan_every, replan_threshold=replan_threshold,
         replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices, memory_mode=memory_mode,
-        replicate_every=replicate_every, central_every=central_every, replicas=replicas)
+        replicate_every=replicate_every, central_every=central_every, replicas=replicas, overwrite=overwrite)
     summary = train(config)
     print_summary(summary, as_json)
 

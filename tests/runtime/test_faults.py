@@ -5,6 +5,7 @@ synchronous schedules, that no step was applied twice or skipped: the parameters
 clean run's over the same samples within 1e-4.
 """
 
+import json
 import signal
 import subprocess
 import sys
@@ -20,7 +21,10 @@ from edgert.fault_injection import run_and_kill as kill_during
 from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
+from edgert.protocol import WEIGHTS
+from edgert.recovery import gather_holdings
 from edgert.runlog import read_metrics
+from edgert.transport import BadRequest, Envelope, SyncClient
 from edgert.weights import load_state
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -48,8 +52,9 @@ def clean(plan4, tmp_path_factory):
 def run(plan, workers, out, **options):
     options = {"steps": STEPS, "epochs": 10, "replicate_every": 5, "central_every": 10, "schedule": "1f1b",
                **options}
+    options.setdefault("progress", False)
     config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, listen="coap+tcp://127.0.0.1:0",
-                         progress=False, **options)
+                         **options)
     return train(config)
 
 
@@ -127,6 +132,62 @@ def test_async_schedule_survives_a_kill(plan4, tmp_path):
     assert summary.test_accuracy > 0.85
 
 
+def test_a_run_restores_only_its_own_copies(plan4, clean, tmp_path):
+    """Item 3: a first run into ``same`` leaves copies after steps 14 and 19 on the workers; a second
+    run into a folder of the same name, killed after step 7, restores its own copies and replays."""
+    _, clean_params = clean
+    with LocalCluster(4) as cluster:
+        run(plan4, cluster.urls, tmp_path / "same", steps=20)
+        first_run = read_run_id(tmp_path / "same")
+        (tmp_path / "same").rename(tmp_path / "first")
+        outcome = kill_during(lambda: run(plan4, cluster.urls, tmp_path / "same"), cluster, tmp_path / "same", [2],
+                              lambda health, step: step >= 7)
+        survivor = cluster.urls[0]
+        with SyncClient.start() as client:  # a worker serves no copy of another run
+            with pytest.raises(BadRequest, match="this worker is in run"):
+                client.request("FETCH", survivor, WEIGHTS, Envelope(kind="control", run_id=first_run,
+                                                                    meta={"names": ["x"], "copy_step": 19}))
+            second_run = read_run_id(tmp_path / "same")
+            assert client.call(gather_holdings(client.client, [survivor], first_run)) == {survivor: []}
+            assert client.call(gather_holdings(client.client, [survivor], second_run))[survivor]
+    assert read_run_id(tmp_path / "same") != first_run
+    events = recoveries(tmp_path / "same")
+    assert outcome.result.steps == STEPS and len(events) == 1
+    assert events[0]["snapshot_step"] is None or events[0]["snapshot_step"] <= outcome.kill.step + 5
+    assert relative_difference(parameters(tmp_path / "same"), clean_params) <= 1e-4
+
+
+def test_a_replayed_epoch_end_is_printed_and_read_once_and_spans_keep_their_worker(plan4, clean, tmp_path,
+                                                                                   capsys):
+    """Items 5 and 6: the kill after step 22 rolls back to the copies after step 19, so the end of
+    epoch 1 (step 21) runs and is evaluated again; stage 2 moves off the killed worker."""
+    _, clean_params = clean
+    out = tmp_path / "run"
+    with LocalCluster(4) as cluster:
+        outcome = kill_during(lambda: run(plan4, cluster.urls, out, replicate_every=10, central_every=0,
+                                          progress=True), cluster, out, [2], lambda health, step: step >= 22)
+    events = recoveries(out)
+    assert len(events) == 1 and events[0]["snapshot_step"] == 19, events  # the replay crosses step 21
+    assert relative_difference(parameters(out), clean_params) <= 1e-4
+    printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("epoch 1: test loss")]
+    assert len(printed) == 1, printed
+    written = [m for m in read_metrics(out, superseded=True) if m["type"] == "eval" and m["epoch"] == 0]
+    kept = [m for m in read_metrics(out) if m["type"] == "eval" and m["epoch"] == 0]
+    assert len(written) == 2 and kept == written[-1:]
+    steps = [m["step"] for m in read_metrics(out) if m["type"] == "step"]
+    assert steps == list(range(outcome.result.steps))
+    trace = json.loads((out / "trace.json").read_text())
+    tracks = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    assert sorted(tracks.values()) == ["local-0", "local-1", "local-2", "local-3"]
+    victim = [int(e["name"][1:].split(".")[0]) for e in trace
+              if e.get("ph") == "X" and tracks[e["tid"]] == "local-2" and e["name"][0] in "FBS"]
+    assert victim and max(victim) <= outcome.kill.step + 8  # nothing the survivors ran after the kill
+
+
+def read_run_id(out):
+    return json.loads((out / "run.json").read_text())["run_id"]
+
+
 def test_a_worker_joins_a_running_job(plan4, tmp_path):
     """Three slow workers train; a fast one joins; the planner puts it to work."""
     with LocalCluster(4, slowdowns=["6", "6", "6", "6"]) as cluster:
@@ -186,9 +247,27 @@ def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
             coordinator.wait(10)
         finally:
             coordinator.kill()
-        resumed = subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(out), "--json"],
+        moved = tmp_path / "moved"  # C2: the folder given to --resume is the run folder
+        out.rename(moved)
+        resumed = subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(moved), "--json"],
                                  capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    events = [m for m in read_metrics(out) if m.get("event") == "resume"]
+    assert not out.exists()
+    events = [m for m in read_metrics(moved) if m.get("event") == "resume"]
     assert len(events) == 1 and events[0]["snapshot_step"] >= 9
-    assert relative_difference(parameters(out), clean_params) <= 1e-4
+    assert relative_difference(parameters(moved), clean_params) <= 1e-4
+    # item 5: each step read once; C4: the summary covers both processes
+    written = read_metrics(moved, superseded=True)
+    resumed_at = next(k for k, m in enumerate(written) if m.get("event") == "resume")
+    assert not [m for m in written[:resumed_at] if m["type"] == "segment"]  # killed in its first segment
+    killed = [m for m in written[:resumed_at] if m["type"] == "step"][-1]
+    later = sum(m["seconds"] for m in written[resumed_at:] if m["type"] == "segment")
+    assert [m["step"] for m in read_metrics(moved) if m["type"] == "step"] == list(range(STEPS))
+    summary = json.loads(resumed.stdout)
+    assert summary["steps"] == STEPS and summary["samples"] == STEPS * 64
+    assert summary["train_seconds"] == pytest.approx(killed["time_s"] - killed["segment_started_s"] + later, abs=0.01)
+    assert summary["samples_per_s"] == pytest.approx(summary["samples"] / summary["train_seconds"], rel=0.01)
+    # C3: the killed coordinator's trace is kept and continued: spans of the first and the last step
+    trace = json.loads((moved / "trace.json").read_text())
+    spans = {e["name"] for e in trace if e.get("ph") == "X"}
+    assert {"F0.0", f"F{STEPS - 1}.0"} <= spans

@@ -28,7 +28,7 @@ def test_a_step_completes_when_every_stage_reported_once(tmp_path):
     ledger.add(report(0, 1), "w1")  # a retried delivery
     assert ledger.completed == 0 and ledger.missing(0) == [0]
     ledger.add(report(0, 0), "w0")
-    assert ledger.completed == 1 and ledger.samples == BATCH and ledger.last_loss == 0.5
+    assert ledger.completed == 1 and ledger.recent[-1].loss == 0.5
     assert [line["step"] for line in read_metrics(tmp_path) if line["type"] == "step"] == [0]
 
 
@@ -40,7 +40,7 @@ def test_restart_replays_steps_after_the_snapshot(tmp_path):
     assert ledger.completed == 5
 
     vouched = ledger.restart(["w0"], after=2)
-    assert vouched == [] and ledger.completed == 3 and ledger.samples == 3 * BATCH
+    assert vouched == [] and ledger.completed == 3
     assert ledger.completed_through == 2 and ledger.stages == 1
 
 
@@ -54,7 +54,7 @@ def test_restart_counts_steps_only_the_snapshot_saw(tmp_path):
     assert ledger.completed == 3
     waiting = asyncio.run(_wait_after_restart(ledger, after=4))
     assert waiting is True  # nobody is left waiting on a forgotten step
-    assert ledger.completed == 5 and ledger.samples == 5 * BATCH and ledger.completed_through == 2
+    assert ledger.completed == 5 and ledger.completed_through == 2
     assert ledger.missing(3) == [0] and ledger.missing(5) == [0]  # forgotten: new reports are needed
 
 
