@@ -37,6 +37,7 @@ ACT, GRAD, LABELS = "act", "grad", "labels"
 DATA_KINDS = {ACT: "activations", GRAD: "gradients"}
 SELF = "self"  # a migration source meaning "the state this worker held itself"
 MAX_REASON_BYTES = 1024  # a /stop reason
+MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one window per step)
 
 
 class ProtocolError(EdgertError):
@@ -207,9 +208,10 @@ class Segment:
                                                  for s in fields.listed(meta, "checkpoint_steps", [])))
         except fields.MALFORMED as error:
             raise ProtocolError(f"run command is malformed: {fields.why(error)}") from None
-        if segment.schedule not in SCHEDULES or segment.micro_batches > segment.batch_size:
+        if segment.schedule not in SCHEDULES or segment.micro_batches > segment.batch_size \
+                or segment.steps > MAX_SEGMENT_STEPS:
             raise ProtocolError(f"run command is out of range (schedule one of {', '.join(SCHEDULES)}, "
-                                f"micro_batches <= batch_size): {segment}")
+                                f"micro_batches <= batch_size, steps <= {MAX_SEGMENT_STEPS}): {segment}")
         if any(not segment.first_step <= s <= segment.last_step for s in segment.checkpoint_steps):
             raise ProtocolError(f"run command's checkpoint_steps {list(segment.checkpoint_steps)} are not all in "
                                 f"steps {segment.first_step}..{segment.last_step}")

@@ -6,11 +6,13 @@ or the running stage sees them (docs/SECURITY.md, "Requests a worker refuses"):
 - *who*: activations come only from the previous stage, gradients only from the next one;
   over TLS the sender's credential name must be the one the assignment names (on
   plaintext, ``--insecure``, nobody is authenticated and this check does not apply);
-- *when*: the step lies in a segment the coordinator sent (``POST /run``), is not done yet,
-  and the micro-batch is one of that step's; a message for a step already done, or after a
-  truncation, is a late duplicate and is dropped (2.04, nothing kept);
+- *when*: the step lies in a segment the coordinator sent (``POST /run``) and the micro-batch
+  is one of that step's;
 - *what*: tensor names, dtypes and dimensions are the manifest's, and the batch dimension
   is that micro-batch's size.
+
+A message that passes, but for a step already done (a retried delivery whose first answer
+was lost) or after a truncation, is dropped with 2.04: nothing is kept.
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ class InputResources:
         expected = (list(entry.inputs) if entry.index == 0 else []) + list(entry.labels)
         if not expected:
             raise BadRequest(f"stage {entry.index} is neither the first nor the last: it takes no /{BATCH}")
-        microbatches = expected_microbatches(tuple(self._segments), envelope.step, self.health.step,
-                                             self.inbox.last_step, BATCH)
+        microbatches = announced_microbatches(tuple(self._segments), envelope.step, self.health.step, BATCH)
         if microbatches is None:
             return  # a late duplicate: nothing kept
         check_tensors(envelope, expected, BATCH, batch=sum(m.size for m in microbatches))
+        if is_late(envelope.step, self.health.step, self.inbox.last_step):
+            return
         inputs = {t.name for t in entry.inputs} if entry.index == 0 else set()
         start = 0
         try:
@@ -81,11 +84,13 @@ class InputResources:
             if envelope.stage != entry.index:
                 raise BadRequest(f"message for stage {envelope.stage} reached stage {entry.index}")
             check_sender(path, entry.index, assignment.peers, request.identity)
-            micro = expected_microbatch(tuple(self._segments), envelope.step, envelope.microbatch, self.health.step,
-                                        self.inbox.last_step, path)
+            micro = announced_microbatch(tuple(self._segments), envelope.step, envelope.microbatch,
+                                         self.health.step, path)
             if micro is None:
                 return  # a late duplicate: nothing kept
             check_tensors(envelope, self._expected(path), path, batch=micro.size)
+            if is_late(envelope.step, self.health.step, self.inbox.last_step):
+                return
             try:
                 self.inbox.put((path, envelope.step, envelope.microbatch), dict(envelope.tensors))
             except InboxFull as error:
@@ -99,27 +104,32 @@ class InputResources:
         return [t for t in entry.outputs if t.name in entry.output_gradients]
 
 
-def expected_microbatches(segments: Iterable[Segment], step: int, done_through: int, truncated_after: int | None,
-                          path: str) -> list[MicroBatch] | None:
-    """The micro-batches of ``step`` the stage waits for; None for a late duplicate (drop it); raises 4.00 for
-    a step no run command announced."""
-    if step <= done_through or (truncated_after is not None and step > truncated_after):
-        return None
+def announced_microbatches(segments: Iterable[Segment], step: int, done_through: int,
+                           path: str) -> list[MicroBatch] | None:
+    """The micro-batches of ``step`` as a run command announced them; raises 4.00 for a step none announced
+    (None: a step done so long ago that its segment is forgotten; a late duplicate, to drop)."""
     segment = next((s for s in segments if s.first_step <= step <= s.last_step), None)
-    if segment is None:
-        raise BadRequest(f"/{path} for step {step}, which no run command covers")
-    return segment.microbatches(step)
+    if segment is not None:
+        return segment.microbatches(step)
+    if step <= done_through:
+        return None
+    raise BadRequest(f"/{path} for step {step}, which no run command covers")
 
 
-def expected_microbatch(segments: Iterable[Segment], step: int, index: int, done_through: int,
-                        truncated_after: int | None, path: str) -> MicroBatch | None:
-    """Micro-batch ``index`` of ``step`` as :func:`expected_microbatches` finds it."""
-    microbatches = expected_microbatches(segments, step, done_through, truncated_after, path)
+def announced_microbatch(segments: Iterable[Segment], step: int, index: int, done_through: int,
+                         path: str) -> MicroBatch | None:
+    """Micro-batch ``index`` of ``step`` as :func:`announced_microbatches` finds it."""
+    microbatches = announced_microbatches(segments, step, done_through, path)
     if microbatches is None:
         return None
     if index >= len(microbatches):
         raise BadRequest(f"/{path} for micro-batch {index} of step {step}, which has {len(microbatches)}")
     return microbatches[index]
+
+
+def is_late(step: int, done_through: int, truncated_after: int | None) -> bool:
+    """A message for a step already done (a retried delivery) or truncated away: dropped, nothing kept."""
+    return step <= done_through or (truncated_after is not None and step > truncated_after)
 
 
 def check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str, batch: int | None = None) -> None:
