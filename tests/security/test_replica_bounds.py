@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 
 from edgert.admission import StageSigning
-from edgert.exporter.export import ExportOptions, export_plan
 from edgert.localcluster import LocalCluster
-from edgert.manifest import TrainingConfig, load_manifest
-from edgert.models import build_model, save_model
+from edgert.manifest import load_manifest
 from edgert.protocol import REPLICA, RUN, STAGE, Peers, Segment, StageAssignment
 from edgert.replica import SELF_ORIGIN, CopyStore, ReplicaStoreFull, holdings_from_meta
 from edgert.transport import ClientConfig, Envelope, SyncClient
@@ -28,14 +26,6 @@ from edgert.weights import StageState
 pytestmark = pytest.mark.timeout(300)
 
 RUN_ID, NOWHERE = "replicas", "coap+tcp://127.0.0.1:9"
-
-
-@pytest.fixture(scope="module")
-def plan3(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("replica-bounds")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=3, training=TrainingConfig()))
-    return folder / "plan"
 
 
 def stage1(plan: Path, coordinator: str = NOWHERE) -> Envelope:
@@ -67,10 +57,10 @@ def holdings(client, url):
     return holdings_from_meta(client.get(url, REPLICA).envelope().meta["holdings"])
 
 
-def test_forty_8_mib_copies_of_strangers_stages_are_refused_and_take_no_memory(plan3):
+def test_forty_8_mib_copies_of_strangers_stages_are_refused_and_take_no_memory(mlp_plan3):
     with LocalCluster(1) as cluster, SyncClient.start(ClientConfig(timeout=60.0, retries=0)) as client:
         url, pid = cluster.urls[0], cluster.processes[0].pid
-        client.request("PUT", url, STAGE, stage1(plan3))
+        client.request("PUT", url, STAGE, stage1(mlp_plan3))
         client.send(url, RUN, Segment("gpipe", 3, 0, 100, 8, 2).to_envelope(RUN_ID))
         warm = client.request("PUT", url, REPLICA, copy(99, 3, 8 * MiB, "warm-up"), raise_for_status=False)
         assert warm.code.dotted == "4.03"
@@ -97,12 +87,12 @@ def test_forty_8_mib_copies_of_strangers_stages_are_refused_and_take_no_memory(p
         assert client.get(url, "health").ok
 
 
-def test_over_tls_the_origin_is_the_senders_credential(cluster, plan3):
+def test_over_tls_the_origin_is_the_senders_credential(cluster, mlp_plan3):
     signing = StageSigning(cluster.store.sign, cluster.store.crl_pem)
     with LocalCluster(1, names=["w1"], credentials=[cluster.workers[1]]) as workers:
         url = workers.urls[0]
         with SyncClient.start(ClientConfig(timeout=60.0, retries=0), tls=cluster.coordinator) as boss:
-            boss.request("PUT", url, STAGE, signing.apply(stage1(plan3, coordinator="coaps+tcp://127.0.0.1:9")))
+            boss.request("PUT", url, STAGE, signing.apply(stage1(mlp_plan3, coordinator="coaps+tcp://127.0.0.1:9")))
             boss.send(url, RUN, Segment("gpipe", 3, 0, 100, 8, 2).to_envelope(RUN_ID))
             with SyncClient.start(ClientConfig(timeout=60.0, retries=0), tls=cluster.tls(cluster.workers[0])) as w0:
                 w0.request("PUT", url, REPLICA, copy(0, 4, 1024, "the-coordinator"))

@@ -18,10 +18,8 @@ import numpy as np
 import pytest
 
 from edgert.coordinator import TrainConfig, train
-from edgert.exporter.export import ExportOptions, export_plan
 from edgert.localcluster import LocalCluster
-from edgert.manifest import TrainingConfig, load_manifest
-from edgert.models import build_model, save_model
+from edgert.manifest import load_manifest
 from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, TensorClient
 from edgert.transport.errors import Forbidden
@@ -30,14 +28,6 @@ from edgert.weights import load_state
 pytestmark = pytest.mark.timeout(600)
 
 STEPS, BATCH, MICRO = 40, 32, 2
-
-
-@pytest.fixture(scope="module")
-def plan3(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("stray")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=3, training=TrainingConfig()))
-    return folder / "plan"
 
 
 def secure_run(cluster, plan: Path, out: Path, attack=None):
@@ -70,8 +60,8 @@ def latest_step(out: Path) -> int:
     raise AssertionError("training did not start")
 
 
-def test_stray_tensors_are_refused_and_the_run_is_undisturbed(cluster, plan3, tmp_path):
-    entry = load_manifest(plan3).stages[1]
+def test_stray_tensors_are_refused_and_the_run_is_undisturbed(cluster, mlp_plan3, tmp_path):
+    entry = load_manifest(mlp_plan3).stages[1]
     (act_spec,) = entry.inputs
     (grad_name,) = entry.output_gradients
     grad_spec = next(t for t in entry.outputs if t.name == grad_name)
@@ -116,7 +106,7 @@ def test_stray_tensors_are_refused_and_the_run_is_undisturbed(cluster, plan3, tm
         asyncio.run(all_of_them())
         return refusals
 
-    disturbed, disturbed_parameters, refusals = secure_run(cluster, plan3, tmp_path / "disturbed", attack)
+    disturbed, disturbed_parameters, refusals = secure_run(cluster, mlp_plan3, tmp_path / "disturbed", attack)
     assert refusals["act to the first stage"].startswith("4.03 Forbidden: stage 0 takes no /act from a peer")
     assert "only from its previous stage's worker 'w0', not worker 'w2'" in refusals["act from the next stage"]
     assert "not worker 'w3'" in refusals["act from a stranger worker"]
@@ -129,7 +119,7 @@ def test_stray_tensors_are_refused_and_the_run_is_undisturbed(cluster, plan3, tm
     events = {m.get("event") for m in read_metrics(tmp_path / "disturbed")}
     assert not events & {"recovery", "failure"}
 
-    undisturbed, parameters, _ = secure_run(cluster, plan3, tmp_path / "undisturbed")
+    undisturbed, parameters, _ = secure_run(cluster, mlp_plan3, tmp_path / "undisturbed")
     assert undisturbed.steps == STEPS
     assert sorted(parameters) == sorted(disturbed_parameters)
     for name, value in parameters.items():
