@@ -18,10 +18,8 @@ from pathlib import Path
 from edgert.admission import StageSigning
 from edgert.errors import EdgertError
 from edgert.manifest import Manifest, TrainingConfig, needed_roles
-from edgert.protocol import MIGRATE, STAGE, Peers, StageAssignment
+from edgert.protocol import MIGRATE, SELF, STAGE, Peers, StageAssignment
 from edgert.transport import Envelope, TensorClient, TransportError
-
-SELF = "self"  # a migration source meaning "the state this worker held itself"
 
 
 class AssignmentError(EdgertError):
@@ -64,7 +62,8 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
     async def one(k: int) -> None:
         entry = manifest.stages[k]
         peers = Peers(previous=order[k - 1] if k > 0 else None, next=order[k + 1] if k + 1 < stages else None,
-                      coordinator=settings.coordinator_url)
+                      coordinator=settings.coordinator_url, previous_name=names[k - 1] if k > 0 else None,
+                      next_name=names[k + 1] if k + 1 < stages else None)
         assignment = StageAssignment(
             run_id=settings.run_id, entry=entry, training=settings.training, stages=stages, peers=peers,
             forward_codec=settings.forward_codec, backward_codec=settings.backward_codec,

@@ -10,6 +10,10 @@ Worker resources: ``/health`` (GET, observable), ``/stage`` (PUT: take a stage),
 inputs or labels from the coordinator), ``/act`` ``/grad`` (POST: tensors of a micro-batch
 from a neighbour), ``/weights`` (GET/PUT: state by name), ``/stop`` (POST: abandon the
 current run). Coordinator resource: ``/report`` (POST: step reports).
+
+Each request body a worker takes is read into one of the dataclasses here by its
+``from_envelope`` (or :func:`stop_reason`), which raises :class:`ProtocolError` (a 4.00
+naming the field) for anything malformed; handlers only see typed messages.
 """
 
 from __future__ import annotations
@@ -20,16 +24,20 @@ from typing import Any
 
 import numpy as np
 
+from edgert import meta_fields as fields
 from edgert.errors import EdgertError
 from edgert.executor import MicroBatch, StepReport, Window, split_batch
-from edgert.manifest import StageEntry, TrainingConfig, stage_from_json, stage_to_json
+from edgert.manifest import MEMORY_MODES, StageEntry, TrainingConfig, stage_from_json, stage_to_json
 from edgert.schedule import SCHEDULES
-from edgert.transport import Envelope
+from edgert.transport import Envelope, get_codec
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
 MIGRATE, PROFILE, PROBE, ECHO, REPLICA, JOIN = "migrate", "profile", "probe", "echo", "replica", "join"
 ACT, GRAD, LABELS = "act", "grad", "labels"
 DATA_KINDS = {ACT: "activations", GRAD: "gradients"}
+SELF = "self"  # a migration source meaning "the state this worker held itself"
+MAX_REASON_BYTES = 1024  # a /stop reason
+MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one window per step)
 
 
 class ProtocolError(EdgertError):
@@ -38,11 +46,31 @@ class ProtocolError(EdgertError):
 
 @dataclass(frozen=True)
 class Peers:
-    """Where a stage sends activations, gradients and reports."""
+    """Where a stage sends activations, gradients and reports; over TLS the neighbours' credential names
+    are the only senders of its activations (``previous_name``) and gradients (``next_name``)."""
 
     previous: str | None
     next: str | None
     coordinator: str
+    previous_name: str | None = None
+    next_name: str | None = None
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> Peers:
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"meta.peers must be a map, got {type(meta).__name__}")
+        unknown = set(meta) - {"previous", "next", "coordinator", "previous_name", "next_name"}
+        if unknown:
+            raise ProtocolError(f"meta.peers has unknown field(s) {sorted(map(str, unknown))}")
+        peers = cls(previous=meta.get("previous"), next=meta.get("next"), coordinator=meta.get("coordinator"),
+                    previous_name=meta.get("previous_name"), next_name=meta.get("next_name"))
+        for name in ("previous", "next", "coordinator"):  # coordinator "": none (a stage sent to be profiled)
+            if getattr(peers, name) not in (None, "") or name == "coordinator" and peers.coordinator != "":
+                fields.url(getattr(peers, name), f"meta.peers.{name}")
+        for name in ("previous_name", "next_name"):
+            if not isinstance(getattr(peers, name), (str, type(None))):
+                raise ProtocolError(f"meta.peers.{name} must be a worker name or null")
+        return peers
 
 
 @dataclass(frozen=True)
@@ -92,21 +120,37 @@ class StageAssignment:
                 run_id=envelope.run_id,
                 entry=stage_from_json(json.loads(meta["entry"])),
                 training=TrainingConfig(**{**training, "betas": tuple(training["betas"])}),
-                stages=int(meta["stages"]),
-                peers=Peers(**meta["peers"]),
-                forward_codec=str(meta.get("forward_codec", "none")),
-                backward_codec=str(meta.get("backward_codec", "none")),
-                forward_threads=int(meta.get("forward_threads", 1)),
-                backward_threads=int(meta.get("backward_threads", 1)),
-                wait_timeout=float(meta.get("wait_timeout", 120.0)),
-                memory_mode=str(meta.get("memory_mode", "recompute")),
-                replicate_every=int(meta.get("replicate_every", 0)),
-                central_every=int(meta.get("central_every", 0)),
-                replica_targets=tuple(str(u) for u in meta.get("replica_targets", [])),
+                stages=fields.integer(meta, "stages", minimum=1),
+                peers=Peers.from_meta(meta["peers"]),
+                forward_codec=fields.text(meta, "forward_codec", "none"),
+                backward_codec=fields.text(meta, "backward_codec", "none"),
+                forward_threads=fields.integer(meta, "forward_threads", 1, 1),
+                backward_threads=fields.integer(meta, "backward_threads", 1, 1),
+                wait_timeout=fields.number(meta, "wait_timeout", 120.0),
+                memory_mode=fields.text(meta, "memory_mode", "recompute"),
+                replicate_every=fields.integer(meta, "replicate_every", 0, 0),
+                central_every=fields.integer(meta, "central_every", 0, 0),
+                replica_targets=tuple(fields.url(u, "meta.replica_targets[]")
+                                      for u in fields.listed(meta, "replica_targets", [])),
             )
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
-            raise ProtocolError(f"stage assignment is malformed: {type(error).__name__}: {error}") from None
-        files = {role: np.asarray(array, dtype=np.uint8).tobytes() for role, array in envelope.tensors.items()}
+            for codec in (assignment.forward_codec, assignment.backward_codec):
+                get_codec(codec)
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"stage assignment is malformed: {fields.why(error)}") from None
+        entry = assignment.entry
+        if not assignment.run_id:
+            raise ProtocolError("stage assignment has no run_id")
+        if envelope.stage != entry.index or entry.index >= assignment.stages:
+            raise ProtocolError(f"stage assignment: envelope stage {envelope.stage}, entry index {entry.index} and "
+                                f"{assignment.stages} stages do not agree")
+        if assignment.memory_mode not in MEMORY_MODES:
+            raise ProtocolError(f"stage assignment: memory_mode {assignment.memory_mode!r} is not one of "
+                                f"{', '.join(MEMORY_MODES)}")
+        files = {}
+        for role, array in envelope.tensors.items():
+            if array.dtype != np.uint8 or array.ndim != 1:
+                raise ProtocolError(f"stage assignment: file {role!r} must be a 1-D uint8 tensor")
+            files[role] = array.tobytes()
         return assignment, files
 
 
@@ -156,14 +200,18 @@ class Segment:
     def from_envelope(cls, envelope: Envelope) -> Segment:
         meta = envelope.meta
         try:
-            segment = cls(schedule=str(meta["schedule"]), stages=int(meta["stages"]),
-                          first_step=int(meta["first_step"]), steps=int(meta["steps"]),
-                          batch_size=int(meta["batch_size"]), micro_batches=int(meta["micro_batches"]),
-                          checkpoint_steps=tuple(int(s) for s in meta.get("checkpoint_steps", ())))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ProtocolError(f"run command is malformed: {type(error).__name__}: {error}") from None
-        if segment.schedule not in SCHEDULES or min(segment.steps, segment.batch_size, segment.micro_batches) < 1:
-            raise ProtocolError(f"run command is out of range: {segment}")
+            segment = cls(schedule=fields.text(meta, "schedule"), stages=fields.integer(meta, "stages", minimum=1),
+                          first_step=fields.integer(meta, "first_step"), steps=fields.integer(meta, "steps", minimum=1),
+                          batch_size=fields.integer(meta, "batch_size", minimum=1),
+                          micro_batches=fields.integer(meta, "micro_batches", minimum=1),
+                          checkpoint_steps=tuple(fields.integer({"step": s}, "step")
+                                                 for s in fields.listed(meta, "checkpoint_steps", [])))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"run command is malformed: {fields.why(error)}") from None
+        if segment.schedule not in SCHEDULES or segment.micro_batches > segment.batch_size \
+                or segment.steps > MAX_SEGMENT_STEPS:
+            raise ProtocolError(f"run command is out of range (schedule one of {', '.join(SCHEDULES)}, "
+                                f"micro_batches <= batch_size, steps <= {MAX_SEGMENT_STEPS}): {segment}")
         if any(not segment.first_step <= s <= segment.last_step for s in segment.checkpoint_steps):
             raise ProtocolError(f"run command's checkpoint_steps {list(segment.checkpoint_steps)} are not all in "
                                 f"steps {segment.first_step}..{segment.last_step}")
@@ -181,6 +229,139 @@ def truncate_envelope(run_id: str, last_step: int) -> Envelope:
     """``POST /run`` with ``meta.command = "truncate"``: no step after ``last_step`` runs."""
     return Envelope(kind="control", run_id=run_id, step=last_step,
                     meta={"command": "truncate", "last_step": last_step})
+
+
+@dataclass(frozen=True)
+class Hold:
+    """``POST /run`` ``hold`` (see :func:`hold_envelope`)."""
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """``POST /run`` ``truncate`` (see :func:`truncate_envelope`)."""
+
+    last_step: int
+
+
+def run_command(envelope: Envelope) -> Segment | Hold | Truncate:
+    """What a ``POST /run`` asks: ``meta.command`` hold, truncate, or anything else a segment."""
+    command = envelope.meta.get("command")
+    if command == "hold":
+        return Hold()
+    if command == "truncate":
+        try:
+            return Truncate(fields.integer(envelope.meta, "last_step"))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"truncate needs meta.last_step, a step number: {fields.why(error)}") from None
+    return Segment.from_envelope(envelope)
+
+
+@dataclass(frozen=True)
+class WeightsQuery:
+    """``FETCH /weights``: these parameters, from the copy after ``copy_step``, or from the stage held before
+    the latest assignment (``previous``), else from the current stage."""
+
+    names: tuple[str, ...]
+    copy_step: int | None = None
+    previous: bool = False
+
+    def to_envelope(self, run_id: str) -> Envelope:
+        meta: dict[str, Any] = {"names": list(self.names), "previous": self.previous}
+        if self.copy_step is not None:
+            meta["copy_step"] = self.copy_step
+        return Envelope(kind="control", run_id=run_id, meta=meta)
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope) -> WeightsQuery:
+        meta = envelope.meta
+        if envelope.kind != "control":
+            raise ProtocolError(f"FETCH /weights takes a 'control' envelope, got {envelope.kind!r}")
+        try:
+            return cls(names=fields.names(meta), copy_step=fields.integer(meta, "copy_step", None),
+                       previous=fields.flag(meta, "previous", False))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"FETCH /weights needs meta.names, a list of parameter names, and optionally "
+                                f"copy_step (a step) or previous (a bool): {fields.why(error)}") from None
+
+
+@dataclass(frozen=True)
+class MigrationSource:
+    """Where part of a stage's state comes from: a worker URL (or :data:`SELF`) and the names it gives."""
+
+    url: str
+    names: tuple[str, ...]
+    previous: bool = True
+    copy_step: int | None = None
+
+    def query(self) -> WeightsQuery:
+        return WeightsQuery(self.names, self.copy_step, self.previous)
+
+
+@dataclass(frozen=True)
+class MigrateRequest:
+    """``POST /migrate``: fetch these sources' state into the stage."""
+
+    sources: tuple[MigrationSource, ...]
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope) -> MigrateRequest:
+        try:
+            sources = []
+            for item in fields.listed(envelope.meta, "sources"):
+                if not isinstance(item, dict):
+                    raise TypeError(f"a source must be a map, got {type(item).__name__}")
+                where = item["url"] if item.get("url") == SELF else fields.url(item.get("url"), "url")
+                sources.append(MigrationSource(where, fields.names(item), fields.flag(item, "previous", True),
+                                               fields.integer(item, "copy_step", None)))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"POST /migrate needs meta.sources, a list of {{url, names, previous?, "
+                                f"copy_step?}}: {fields.why(error)}") from None
+        return cls(tuple(sources))
+
+
+MAX_PROFILE_MICRO_BATCH, MAX_PROFILE_REPEATS = 4096, 100
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """``POST /profile``'s own fields (beside the stage assignment): micro-batch size and repetitions."""
+
+    micro_batch: int = 16
+    repeats: int = 5
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope) -> ProfileOptions:
+        try:
+            meta = envelope.meta
+            options = cls(fields.integer(meta, "micro_batch", 16, 1), fields.integer(meta, "repeats", 5, 1))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"POST /profile: {fields.why(error)}") from None
+        if options.micro_batch > MAX_PROFILE_MICRO_BATCH or options.repeats > MAX_PROFILE_REPEATS:
+            raise ProtocolError(f"POST /profile: micro_batch {options.micro_batch} or repeats {options.repeats} "
+                                f"beyond {MAX_PROFILE_MICRO_BATCH} and {MAX_PROFILE_REPEATS}")
+        return options
+
+
+def probe_target(envelope: Envelope) -> str:
+    """``POST /probe``'s ``meta.target``: the worker URL to time the link to."""
+    try:
+        return fields.url(envelope.meta.get("target"), "meta.target")
+    except fields.MALFORMED as error:
+        raise ProtocolError(f"POST /probe needs meta.target, a worker URL: {error}") from None
+
+
+def stop_reason(payload: bytes | bytearray) -> str:
+    """``POST /stop``'s body: why, as UTF-8 text of at most :data:`MAX_REASON_BYTES` without control characters."""
+    if len(payload) > MAX_REASON_BYTES:
+        raise ProtocolError(f"POST /stop: the reason is {len(payload)} bytes; at most {MAX_REASON_BYTES}")
+    try:
+        reason = bytes(payload).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ProtocolError(f"POST /stop: the reason is not UTF-8 text ({error.reason} at byte {error.start})") \
+            from None
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in reason):
+        raise ProtocolError("POST /stop: the reason holds control characters")
+    return reason or "stopped by the coordinator"
 
 
 def reports_to_envelope(run_id: str, stage: int, worker: str, reports: list[StepReport]) -> Envelope:

@@ -148,7 +148,7 @@ class CentralCopies:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_bytes_per_origin=1 << 36)
+        self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_peer_bytes=1 << 36)
 
     def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "") -> bool:
         """Keep a stage's copy; True when the step's snapshot became complete (every stage here)."""

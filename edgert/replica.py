@@ -6,7 +6,9 @@ statistics, optimizer state) after the optimizer step, keeps it, and sends it to
 coordinator (FTPipeHD). A copy is keyed by the step it was taken after and by the stage
 (of the plan then in force) it came from; migration uses the parameter names inside, so a
 copy stays usable across re-partitions. The store keeps the newest few versions per stage
-and a byte budget per origin, refusing (never swallowing memory) beyond it.
+and at most :data:`DEFAULT_MAX_PEER_BYTES` of copies from peers in all, refusing (never
+swallowing memory) beyond it; a worker takes copies only of the stages :func:`held_stages`
+names, with the origin its transport authenticated (docs/SECURITY.md, "Replicas").
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from edgert.weights import StageState
 
 KEEP_VERSIONS = 2
 SELF_ORIGIN = "self"
-DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_MAX_PEER_BYTES = 256 << 20  # all copies from peers together (a worker's own are not counted)
 
 
 class ReplicaStoreFull(EdgertError):
-    """A peer sent more replica bytes than this worker keeps for it."""
+    """Peers sent more replica bytes than this worker keeps."""
 
 
 @dataclass(frozen=True)
@@ -40,24 +42,34 @@ class Holding:
 class CopyStore:
     """Thread-safe store of stage states by (step, stage)."""
 
-    def __init__(self, keep_versions: int = KEEP_VERSIONS, max_bytes_per_origin: int = DEFAULT_MAX_BYTES):
+    def __init__(self, keep_versions: int = KEEP_VERSIONS, max_peer_bytes: int = DEFAULT_MAX_PEER_BYTES):
         self.keep_versions = keep_versions
-        self.max_bytes_per_origin = max_bytes_per_origin
+        self.max_peer_bytes = max_peer_bytes
         self._copies: dict[tuple[int, int], tuple[StageState, str]] = {}
         self._lock = threading.Lock()
 
     def put(self, state: StageState, origin: str) -> None:
-        """Keep ``state`` (taken after ``state.step``, of stage ``state.stage``) sent by ``origin``."""
+        """Keep ``state`` (taken after ``state.step``, of stage ``state.stage``) sent by ``origin``; the oldest
+        versions of that stage beyond ``keep_versions`` go. Raises :class:`ReplicaStoreFull`, changing nothing,
+        when copies from peers would exceed ``max_peer_bytes``."""
+        key = (state.step, state.stage)
         with self._lock:
-            self._copies[(state.step, state.stage)] = (state, origin)
-            steps = sorted({step for step, stage in self._copies if stage == state.stage}, reverse=True)
-            for old in steps[self.keep_versions:]:
-                del self._copies[(old, state.stage)]
-            used = sum(s.bytes for s, o in self._copies.values() if o == origin)
-            if used > self.max_bytes_per_origin:
-                del self._copies[(state.step, state.stage)]
-                raise ReplicaStoreFull(f"replicas from {origin} would take {used} bytes here; the limit is "
-                                       f"{self.max_bytes_per_origin}")
+            steps = sorted({step for step, stage in self._copies if stage == state.stage} | {state.step}, reverse=True)
+            evicted = {(old, state.stage) for old in steps[self.keep_versions:]}
+            if origin != SELF_ORIGIN:
+                used = state.bytes + sum(s.bytes for k, (s, o) in self._copies.items()
+                                         if o != SELF_ORIGIN and k != key and k not in evicted)
+                if used > self.max_peer_bytes:
+                    raise ReplicaStoreFull(f"copies from peers would take {used} bytes here; the limit is "
+                                           f"{self.max_peer_bytes}")
+            self._copies[key] = (state, origin)
+            for old in evicted:
+                del self._copies[old]
+
+    def room(self) -> int:
+        """Bytes of copies from peers this store still takes."""
+        with self._lock:
+            return self.max_peer_bytes - sum(s.bytes for s, o in self._copies.values() if o != SELF_ORIGIN)
 
     def get(self, step: int, names: list[str]) -> StageState:
         """The named parameters (and their optimizer state) as they were after ``step``."""
@@ -92,6 +104,12 @@ class CopyStore:
     def clear(self) -> None:
         with self._lock:
             self._copies.clear()
+
+
+def held_stages(stage: int, stages: int, replicas: int) -> set[int]:
+    """The stages whose copies the worker of ``stage`` keeps: the ``replicas`` before it in the ring
+    (first -> ... -> last -> first), as :func:`edgert.assignment.ring_neighbours` sends them."""
+    return {(stage - k) % stages for k in range(1, min(replicas, stages - 1) + 1)}
 
 
 def holdings_to_meta(holdings: list[Holding]) -> list[list]:

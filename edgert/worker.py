@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from edgert.admission import Admission, AdmissionRefused, vet_stage_files
-from edgert.assignment import SELF
 from edgert.errors import EdgertError
 from edgert.executor import Key, StageExecutor, StepReport, Window
-from edgert.inbox import Inbox, InboxAborted, InboxFull
-from edgert.manifest import BoundaryTensor, needed_roles
+from edgert.inbox import Inbox, InboxAborted
+from edgert.manifest import needed_roles
 from edgert.onnx_scan import GraphRefused
 from edgert.protocol import (
     ACT,
@@ -38,7 +37,6 @@ from edgert.protocol import (
     GRAD,
     HEALTH,
     JOIN,
-    LABELS,
     MIGRATE,
     PROBE,
     PROFILE,
@@ -49,14 +47,18 @@ from edgert.protocol import (
     STOP,
     WEIGHTS,
     Health,
+    Hold,
     ProtocolError,
     Segment,
     StageAssignment,
+    Truncate,
     failure_envelope,
     reports_to_envelope,
+    run_command,
+    stop_reason,
 )
 from edgert.providers import DEFAULT_PROVIDERS
-from edgert.replica import CopyStore
+from edgert.replica import SELF_ORIGIN, CopyStore
 from edgert.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.stage import StageSession, Threads
 from edgert.transport import (
@@ -64,17 +66,18 @@ from edgert.transport import (
     ClientConfig,
     Envelope,
     Request,
-    ServiceUnavailable,
     TensorClient,
     TensorServer,
     TransportError,
     get_codec,
 )
-from edgert.transport.errors import Forbidden
+from edgert.transport.errors import Forbidden, UnsupportedContentFormat
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
+from edgert.transport.message import TEXT
 from edgert.transport.server import parse_url
 from edgert.transport.tls import COORDINATOR_ROLE, TlsCredentials
 from edgert.weights import StageState
+from edgert.worker_inputs import InputResources
 from edgert.worker_measure import MeasureResources
 from edgert.worker_state import StateResources
 
@@ -100,7 +103,7 @@ class WorkerConfig:
     providers: tuple[str, ...] = DEFAULT_PROVIDERS  # onnxruntime execution providers, CPU last
 
 
-class Worker(StateResources, MeasureResources):
+class Worker(InputResources, StateResources, MeasureResources):
     """One device's runtime: a CoAP server, a stage session and a compute thread."""
 
     def __init__(self, config: WorkerConfig):
@@ -181,16 +184,17 @@ class Worker(StateResources, MeasureResources):
     def _register_resources(self) -> None:
         server = self.server
         boss = (COORDINATOR_ROLE,)  # over TLS, only the coordinator may command a worker
-        server.add_observable(HEALTH, rt="edgert.health", get=self._on_health, title="worker health")
+        server.add_observable(HEALTH, rt="edgert.health", get=_no_payload(self._on_health), title="worker health")
         server.add_resource(STAGE, put=self._on_stage, rt="edgert.stage", kinds=("stage",), roles=boss)
         server.add_resource(RUN, post=self._on_run, rt="edgert.run", kinds=("control",), roles=boss)
         server.add_resource(BATCH, post=self._on_batch, rt="edgert.batch", kinds=("batch",), roles=boss)
         server.add_resource(STOP, post=self._on_stop, rt="edgert.stop", envelope=False, roles=boss)
-        server.add_resource(WEIGHTS, get=self._on_weights_get, put=self._on_weights_put, fetch=self._on_weights_fetch,
-                            rt="edgert.weights", kinds=("weights", "control"), roles={"GET": boss, "PUT": boss})
+        server.add_resource(WEIGHTS, get=_no_payload(self._on_weights_get), put=self._on_weights_put,
+                            fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("weights", "control"),
+                            roles={"GET": boss, "PUT": boss})
         server.add_resource(MIGRATE, post=self._on_migrate, rt="edgert.migrate", kinds=("control",), roles=boss)
-        server.add_resource(REPLICA, put=self._on_replica_put, get=self._on_replica_get, rt="edgert.replica",
-                            kinds=("weights",), roles={"GET": boss})
+        server.add_resource(REPLICA, put=self._on_replica_put, get=_no_payload(self._on_replica_get),
+                            rt="edgert.replica", kinds=("weights",), roles={"GET": boss})
         server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",), roles=boss)
         server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",), roles=boss)
         server.add_resource(ECHO, post=self._on_echo, rt="edgert.echo", envelope=False)
@@ -216,6 +220,8 @@ class Worker(StateResources, MeasureResources):
         self._admit(request.envelope)
         try:
             assignment, files = StageAssignment.from_envelope(request.envelope)
+            if not assignment.peers.coordinator:
+                raise ProtocolError("stage assignment names no coordinator (meta.peers.coordinator)")
             vet_stage_files(assignment, files)  # before the running job is touched
         except ProtocolError as error:
             raise BadRequest(str(error)) from None
@@ -233,8 +239,9 @@ class Worker(StateResources, MeasureResources):
                 # an emulated slower device also loads more slowly
                 await asyncio.sleep(self.config.slowdown.extra(max(self.health.step, 0),
                                                                time.perf_counter() - started))
-            except EdgertError as error:
-                raise BadRequest(f"stage {assignment.entry.index} refused: {error}") from None
+            except Exception as error:  # noqa: BLE001 - the files (ONNX Runtime's errors too), not this worker
+                raise BadRequest(f"stage {assignment.entry.index} refused: {type(error).__name__}: {error}") \
+                    from None
             finally:
                 self._activity = ""
             self._install(assignment, session)
@@ -285,19 +292,19 @@ class Worker(StateResources, MeasureResources):
 
     async def _on_run(self, request: Request) -> Envelope | None:
         self._check_run(request.envelope)
-        command = request.envelope.meta.get("command")
-        if command == "hold":
+        try:
+            command = run_command(request.envelope)
+        except ProtocolError as error:
+            raise BadRequest(str(error)) from None
+        if isinstance(command, Hold):
             begun, committed = self.executor.gate.hold()
             return Envelope(kind="control", run_id=self.assignment.run_id, step=max(begun, 0),
                             meta={"command": "hold", "begun": begun, "committed": committed,
                                   "worker": self.config.name})
-        if command == "truncate":
-            self._truncate(request.envelope.meta.get("last_step"))
+        if isinstance(command, Truncate):
+            self._truncate(command.last_step)
             return None
-        try:
-            segment = Segment.from_envelope(request.envelope)
-        except ProtocolError as error:
-            raise BadRequest(str(error)) from None
+        segment = command
         if segment.stages != self.assignment.stages:
             raise BadRequest(f"run command is for {segment.stages} stages; this run has {self.assignment.stages}")
         self._segments.append(segment)
@@ -306,10 +313,8 @@ class Worker(StateResources, MeasureResources):
         for k, window in enumerate(windows):
             self._windows.put((window, k == len(windows) - 1))
 
-    def _truncate(self, last_step) -> None:
+    def _truncate(self, last_step: int) -> None:
         """Stop after ``last_step``: later steps are dropped, the pipeline drains (re-planning)."""
-        if not isinstance(last_step, int) or last_step < 0:
-            raise BadRequest(f"truncate needs meta.last_step, a step number (got {last_step!r})")
         self.inbox.truncate(last_step)
         self.executor.gate.open()
         kept = []
@@ -320,36 +325,14 @@ class Worker(StateResources, MeasureResources):
         for item in kept:
             self._windows.put(item)
 
-    async def _on_batch(self, request: Request) -> None:
-        """A whole step's inputs (first stage) and/or labels (last stage), split into micro-batches here."""
-        envelope = request.envelope
-        self._check_run(envelope)
-        entry = self.session.entry
-        expected = (list(entry.inputs) if entry.index == 0 else []) + list(entry.labels)
-        _check_tensors(envelope, expected, BATCH)
-        segment = next((s for s in self._segments if s.first_step <= envelope.step <= s.last_step), None)
-        if segment is None:
-            raise BadRequest(f"batch for step {envelope.step}, which no run command covers")
-        size = len(next(iter(envelope.tensors.values())))
-        if size != segment.batch_size:
-            raise BadRequest(f"batch of {size} samples; the run command says {segment.batch_size}")
-        inputs = {t.name for t in entry.inputs} if entry.index == 0 else set()
-        start = 0
-        try:
-            for micro in segment.microbatches(envelope.step):
-                part = slice(start, start + micro.size)
-                start += micro.size
-                values = {name: value[part] for name, value in envelope.tensors.items()}
-                if inputs:
-                    self.inbox.put((ACT, micro.step, micro.index), {n: v for n, v in values.items() if n in inputs})
-                if entry.is_last:
-                    self.inbox.put((LABELS, micro.step, micro.index),
-                                   {n: v for n, v in values.items() if n not in inputs})
-        except InboxFull as error:
-            raise ServiceUnavailable(str(error)) from None
-
     async def _on_stop(self, request: Request) -> str:
-        await self._stop_run(request.payload.decode("utf-8", "replace") or "stopped by the coordinator")
+        if request.content_format not in (None, TEXT):
+            raise UnsupportedContentFormat(f"/{STOP} takes text (Content-Format {TEXT}), got {request.content_format}")
+        try:
+            reason = stop_reason(request.payload)
+        except ProtocolError as error:
+            raise BadRequest(str(error)) from None
+        await self._stop_run(reason)
         return "stopped"
 
     async def _stop_run(self, reason: str) -> None:
@@ -361,28 +344,6 @@ class Worker(StateResources, MeasureResources):
         self._segments.clear()
         if self.health.state == "running":
             self.health.state = "loaded"
-
-    def _data_handler(self, path: str):
-        async def handle(request: Request) -> None:
-            envelope = request.envelope
-            self._check_run(envelope)
-            entry = self.session.entry
-            if envelope.stage != entry.index:
-                raise BadRequest(f"message for stage {envelope.stage} reached stage {entry.index}")
-            _check_tensors(envelope, self._expected(path), path)
-            try:
-                self.inbox.put((path, envelope.step, envelope.microbatch), dict(envelope.tensors))
-            except InboxFull as error:
-                raise ServiceUnavailable(str(error)) from None
-        return handle
-
-    def _expected(self, path: str) -> list[BoundaryTensor]:
-        entry = self.session.entry
-        if path == ACT:
-            return list(entry.inputs)
-        if entry.is_last:
-            raise BadRequest(f"stage {entry.index} is the last stage: it takes no gradients")
-        return [t for t in entry.outputs if t.name in entry.output_gradients]
 
     def _check_run(self, envelope: Envelope) -> None:
         self._require_session()
@@ -456,7 +417,7 @@ class Worker(StateResources, MeasureResources):
                            step=report.step, stage=self.assignment.entry.index)
         # an emulated slower device also copies its state more slowly
         self._emulator.emulate(report.step, "replicate", time.perf_counter() - started, time.thread_time() - cpu)
-        self.copies.put(state, SELF)
+        self.copies.put(state, SELF_ORIGIN)
         envelope = state.to_envelope(self.assignment.run_id)
         envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, step=envelope.step, stage=envelope.stage,
                             tensors=envelope.tensors, meta={"origin": self.url})
@@ -518,20 +479,10 @@ class Worker(StateResources, MeasureResources):
             self._pending.append((future, self._generation, fatal))
 
 
-def _check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str) -> None:
-    """Names, dtypes and non-batch dimensions must be exactly the manifest's."""
-    names = sorted(envelope.tensors)
-    wanted = sorted(t.name for t in expected)
-    if names != wanted:
-        raise BadRequest(f"/{path} expects tensors {wanted}, got {names}")
-    batches: set[int] = set()
-    for spec in expected:
-        array = envelope.tensors[spec.name]
-        if array.dtype != np.dtype(spec.dtype):
-            raise BadRequest(f"/{path}: tensor {spec.name!r} has dtype {array.dtype}, expected {spec.dtype}")
-        shape = list(array.shape)
-        if len(shape) != len(spec.shape) or any(d != "N" and int(d) != n for d, n in zip(spec.shape, shape)):
-            raise BadRequest(f"/{path}: tensor {spec.name!r} has shape {shape}, expected {list(spec.shape)}")
-        batches.update(n for d, n in zip(spec.shape, shape) if d == "N")
-    if len(batches) > 1 or 0 in batches:
-        raise BadRequest(f"/{path}: tensors have batch sizes {sorted(batches)}; expected one, at least 1")
+def _no_payload(handler):
+    """A GET takes no payload: one is refused (4.00), not ignored."""
+    async def handle(request: Request):
+        if request.payload:
+            raise BadRequest(f"{request.method} /{request.path} takes no payload; got {len(request.payload)} bytes")
+        return await handler(request)
+    return handle

@@ -15,7 +15,7 @@ from edgert.admission import vet_stage_files
 from edgert.errors import EdgertError
 from edgert.onnx_scan import GraphRefused
 from edgert.profiler import measure_stage, probe_link
-from edgert.protocol import ProtocolError, StageAssignment
+from edgert.protocol import ProfileOptions, ProtocolError, StageAssignment, probe_target
 from edgert.transport import BadRequest, Envelope, Request, TransportError
 from edgert.transport.errors import Forbidden
 
@@ -29,14 +29,14 @@ class MeasureResources:
         try:
             assignment, files = StageAssignment.from_envelope(request.envelope)
             vet_stage_files(assignment, files)
+            options = ProfileOptions.from_envelope(request.envelope)
         except ProtocolError as error:
             raise BadRequest(str(error)) from None
         except GraphRefused as error:
             raise Forbidden(f"profiling refused: {error}") from None
         except EdgertError as error:
             raise BadRequest(f"profiling refused: {error}") from None
-        meta = request.envelope.meta
-        micro_batch, repeats = int(meta.get("micro_batch", 16)), int(meta.get("repeats", 5))
+        micro_batch, repeats = options.micro_batch, options.repeats
 
         def measure() -> dict:
             session = self._load(assignment, files, folder_name="profile")
@@ -44,17 +44,18 @@ class MeasureResources:
 
         try:
             timing = await asyncio.get_running_loop().run_in_executor(None, measure)
-        except EdgertError as error:
-            raise BadRequest(f"profiling refused: {error}") from None
+        except Exception as error:  # noqa: BLE001 - the files (ONNX Runtime's errors too), not this worker
+            raise BadRequest(f"profiling refused: {type(error).__name__}: {error}") from None
         return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
                                               "memory_bytes": _available_memory(), "worker": self.config.name,
                                               "slowdown": str(self.config.slowdown)})
 
     async def _on_probe(self, request: Request) -> Envelope:
         """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""
-        target = request.envelope.meta.get("target")
-        if not isinstance(target, str):
-            raise BadRequest("POST /probe needs meta.target, a worker URL")
+        try:
+            target = probe_target(request.envelope)
+        except ProtocolError as error:
+            raise BadRequest(str(error)) from None
         try:
             result = await probe_link(self.client, target)
         except TransportError as error:
@@ -74,5 +75,3 @@ def _available_memory() -> int:
     except OSError:
         pass
     return 0
-
-

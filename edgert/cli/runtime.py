@@ -15,6 +15,7 @@ import click
 from edgert.cli import main
 from edgert.cli.keys import INSECURE_WARNING, default_listen, host_keys, worker_credentials
 from edgert.cli.params import CoapUrl, CoapUrlList, CodecSpec
+from edgert.errors import EdgertError
 
 
 def _logging(level: str) -> None:
@@ -30,7 +31,8 @@ def _logging(level: str) -> None:
 @click.option("--credential", type=click.Path(dir_okay=False, path_type=Path), default=None,
               envvar="EDGERT_CREDENTIAL", help="This device's credential file (edgert keys enroll NAME).")
 @click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
-@click.option("--name", default=socket.gethostname(), show_default=True, help="Name shown in metrics and traces.")
+@click.option("--name", default=None, help="Name shown in metrics and traces (default: the name in the credential; "
+                                         "with --insecure, the host name). Must match the credential's.")
 @click.option("--slowdown", default=None, help="Emulate a device F times slower (sleeps (F-1)x each compute).")
 @click.option("--slowdown-schedule", default=None, help='Slowdown by step, e.g. "0:1,30:8".')
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -54,12 +56,23 @@ def worker_command(listen: str | None, credential: Path | None, insecure: bool, 
     if slowdown and slowdown_schedule:
         raise click.UsageError("give --slowdown or --slowdown-schedule, not both")
     tls = worker_credentials(credential, insecure)
+    name = _worker_name(name, tls)
     _check_listen(listen, tls is not None, udp=True)
     schedule = SlowdownSchedule.parse(slowdown_schedule or slowdown or "1")
     config = WorkerConfig(listen=listen or default_listen(tls is not None, 5701), name=name, slowdown=schedule,
                           workdir=workdir, join=join, advertise=advertise, tls=tls,
                           providers=check_available(parse_providers(providers)))
     asyncio.run(_serve(Worker(config)))
+
+
+def _worker_name(name: str | None, tls) -> str:
+    """The credential's name (a different ``--name`` is refused); with --insecure, --name or the host name."""
+    if tls is None:
+        return name or socket.gethostname()
+    if name is not None and name != tls.identity.name:
+        raise EdgertError(f"--name {name} does not match the name in {tls.path.name} ({tls.identity.name!r}); "
+                          f"leave --name out to use the credential's")
+    return tls.identity.name
 
 
 def _check_listen(listen: str | None, secure: bool, udp: bool = False) -> None:

@@ -18,7 +18,7 @@ from edgert.exporter.merge import merge_run
 from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, load_dataset, save_model
-from edgert.protocol import STAGE, Peers, StageAssignment
+from edgert.protocol import RUN, STAGE, STOP, Peers, Segment, StageAssignment
 from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, SyncClient
 from edgert.weights import load_state
@@ -138,21 +138,28 @@ def test_worker_refuses_a_stage_whose_file_fails_its_hash(cluster, plans):
 
 def test_worker_refuses_tensors_of_the_wrong_shape(cluster, plans):
     manifest = load_manifest(plans[3])
-    entry = manifest.stages[0]
+    entry = manifest.stages[1]
     files = {a.role: (plans[3] / a.path).read_bytes() for a in entry.artifacts}
+    nowhere = "coap+tcp://127.0.0.1:9"
     assignment = StageAssignment(run_id="shapes", entry=entry, training=manifest.training, stages=3,
-                                 peers=Peers(None, None, "coap+tcp://127.0.0.1:9"))
+                                 peers=Peers(nowhere, nowhere, nowhere))
+    (spec,) = entry.inputs
+    good = [4 if d == "N" else int(d) for d in spec.shape]
     with SyncClient.start() as client:
-        client.request("PUT", cluster.urls[0], STAGE, assignment.to_envelope(files))
-        wrong = Envelope(kind="activations", run_id="shapes", step=0, microbatch=0, stage=0,
-                         tensors={"input": np.zeros((4, 1, 7, 8), np.float32)})
-        with pytest.raises(BadRequest, match=r"'input' has shape \[4, 1, 7, 8\], expected \['N', 1, 8, 8\]"):
-            client.send(cluster.urls[0], "act", wrong)
-        unknown = Envelope(kind="activations", run_id="other-run", stage=0, tensors={"input": np.zeros((4, 1, 8, 8),
-                                                                                                  np.float32)})
-        with pytest.raises(BadRequest, match="run 'other-run'"):
-            client.send(cluster.urls[0], "act", unknown)
-        assert client.get(cluster.urls[0], "health").ok
+        client.request("PUT", cluster.urls[1], STAGE, assignment.to_envelope(files))
+        client.send(cluster.urls[1], RUN, Segment("gpipe", 3, 0, 2, 8, 2).to_envelope("shapes"))
+        try:
+            wrong = Envelope(kind="activations", run_id="shapes", step=0, microbatch=0, stage=1,
+                             tensors={spec.name: np.zeros([*good[:-1], good[-1] + 1], np.float32)})
+            with pytest.raises(BadRequest, match=rf"{spec.name!r} has shape \[4, .*\], expected \['N', "):
+                client.send(cluster.urls[1], "act", wrong)
+            unknown = Envelope(kind="activations", run_id="other-run", stage=1,
+                               tensors={spec.name: np.zeros(good, np.float32)})
+            with pytest.raises(BadRequest, match="run 'other-run'"):
+                client.send(cluster.urls[1], "act", unknown)
+            assert client.get(cluster.urls[1], "health").ok
+        finally:
+            client.post(cluster.urls[1], STOP, b"test over")
 
 
 def test_data_that_does_not_fit_the_plan(plans, tmp_path):

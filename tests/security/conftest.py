@@ -47,3 +47,16 @@ def cluster(tmp_path_factory) -> Cluster:
     (stranger,) = local_cluster_keys(folder / "other", ["stranger"], cluster="other")
     return Cluster(keys=folder / "cluster", store=store, workers=workers[:4], revoked=workers[4],
                    stranger=stranger)
+
+
+@pytest.fixture(scope="session")
+def mlp_plan3(tmp_path_factory) -> Path:
+    """The zoo's mlp exported into 3 stages (default training settings)."""
+    from edgert.exporter.export import ExportOptions, export_plan
+    from edgert.manifest import TrainingConfig
+    from edgert.models import build_model, save_model
+
+    folder = tmp_path_factory.mktemp("mlp-plan3")
+    save_model(build_model("mlp"), folder / "mlp.onnx")
+    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=3, training=TrainingConfig()))
+    return folder / "plan"
