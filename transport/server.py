@@ -42,7 +42,7 @@ from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
 from edgert.transport import coap_tcp, linkformat
-from edgert.transport.coap_tcp import TLS_SCHEME
+from edgert.transport.coap_tcp import DEFAULT_PORT, TLS_SCHEME
 from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
 from edgert.transport.errors import (
     BadRequest,
@@ -55,6 +55,7 @@ from edgert.transport.errors import (
     Unauthorized,
     UnsupportedContentFormat,
 )
+from edgert.transport.guard import ConnectionGuard
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import TEXT, Request, Response
 from edgert.transport.observe import Observable
@@ -86,6 +87,7 @@ class TensorServer:
         self._endpoints: dict[tuple[str, ...], _Endpoint] = {}
         self._context: aiocoap.Context | None = None
         self._oscore: OscoreKeys | None = None
+        self._guard: ConnectionGuard | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self.urls: list[str] = []
@@ -165,12 +167,14 @@ class TensorServer:
             site = OscoreSite(site, self._oscore)
         context = aiocoap.Context(loop=loop, serversite=site, loggername="coap-server")
         self._context = context
+        self._guard = ConnectionGuard(self.limits)
+        trust = None if self.tls is None else (lambda peer: self.tls.check(peer) is None)
         try:
             for scheme, host, port in self._binds:
                 if scheme in ("coap+tcp", TLS_SCHEME):
                     server = await coap_tcp.add_tcp_server(
-                        context, host, port, max_message_size=self.limits.tcp_max_message_size,
-                        fast_server=self._fast_dispatch,
+                        context, host, port, limits=self.limits, guard=self._guard,
+                        fast_server=self._fast_dispatch, screen=self._screen, trust=trust,
                         ssl_context=self.tls.server_context if scheme == TLS_SCHEME else None)
                     bound = server.port
                 else:
@@ -199,6 +203,9 @@ class TensorServer:
             task.cancel()
         if context is not None:
             await context.shutdown()
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            await guard.close()
         oscore, self._oscore = self._oscore, None
         if oscore is not None:
             oscore.close()
@@ -220,7 +227,33 @@ class TensorServer:
             return None
         return None if reason is None else Unauthorized(reason)
 
-    # -- TCP fast path ----------------------------------------------------------
+    @property
+    def unverified_connections(self) -> int:
+        """Open TCP connections of peers without a verified cluster credential (bounded by ``max_connections``)."""
+        return 0 if self._guard is None else self._guard.unverified_connections
+
+    # -- TCP: screening and the fast path -----------------------------------------
+
+    def _screen(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> Message | None:
+        """The answer to a TCP request that is refused from its head alone, so its payload is never stored.
+
+        Identity (4.01), path (4.04), method (4.05), role (4.03) and Content-Format (4.15) are
+        known before the payload; None lets the payload in.
+        """
+        refusal: ResponseError | None = self.refusal(message)
+        if refusal is None:
+            endpoint = self._endpoints.get(tuple(message.opt.uri_path))
+            try:
+                if endpoint is None:
+                    raise _not_found(message.opt.uri_path)
+                endpoint.check_head(message, Code(message.code))
+            except ResponseError as error:
+                refusal = error
+        if refusal is None:
+            return None
+        log.info("refused %s /%s from %s before its payload: %s", Code(message.code).name,
+                 "/".join(message.opt.uri_path), _peer(message), refusal)
+        return refusal.to_message()
 
     def _fast_dispatch(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> bool:
         """Serve a plain TCP request without aiocoap's per-request machinery; False = not eligible."""
@@ -331,7 +364,11 @@ class _Endpoint(resource.Resource):
             log.exception("handler for %s /%s failed", method.name, self.path)
             return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
 
-    def _request(self, message: Message, method: Code) -> Request:
+    def check_head(self, message: Message, method: Code) -> PeerIdentity | None:
+        """Method (4.05), role (4.03) and Content-Format (4.15) of a request; returns the peer's identity.
+
+        Needs no payload: TCP requests are checked this way before their payload is received.
+        """
         if not method.is_request() or method.name not in self.handlers:
             allowed = ", ".join(sorted(self.handlers))
             raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
@@ -340,6 +377,15 @@ class _Endpoint(resource.Resource):
         allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
         if allowed is not None and peer.role not in allowed:
             raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
+        content_format = message.opt.content_format
+        if self.envelope and content_format not in (None, CONTENT_FORMAT):
+            raise UnsupportedContentFormat(
+                f"/{self.path} takes Content-Format {CONTENT_FORMAT} (application/cbor envelope), "
+                f"got {int(content_format)}")
+        return peer
+
+    def _request(self, message: Message, method: Code) -> Request:
+        peer = self.check_head(message, method)
         limits = self.server.limits
         payload = message.payload
         if len(payload) > limits.max_payload_bytes:
@@ -350,10 +396,6 @@ class _Endpoint(resource.Resource):
                           content_format=None if content_format is None else int(content_format),
                           query=_query(message), peer=_peer(message), identity=peer)
         if self.envelope:
-            if request.content_format not in (None, CONTENT_FORMAT):
-                raise UnsupportedContentFormat(
-                    f"/{self.path} takes Content-Format {CONTENT_FORMAT} (application/cbor envelope), "
-                    f"got {request.content_format}")
             if payload:
                 request.envelope = decode_envelope(payload, limits)
                 if self.kinds is not None and request.envelope.kind not in self.kinds:
@@ -417,7 +459,10 @@ class _Root(interfaces.Resource):
 
 
 def parse_url(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port``; raises ValueError."""
+    """(scheme, host, port) of ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port``; raises ValueError.
+
+    Without a port the URL means :data:`~edgert.transport.coap_tcp.DEFAULT_PORT`, whatever the scheme.
+    """
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"URL {url!r}: scheme must be one of {', '.join(SCHEMES)}")
@@ -427,8 +472,7 @@ def parse_url(url: str) -> tuple[str, str, int]:
         port = parts.port
     except ValueError:
         raise ValueError(f"URL {url!r} has an invalid port") from None
-    default = coap_tcp.COAPS_PORT if parts.scheme == TLS_SCHEME else 5683
-    return parts.scheme, parts.hostname, default if port is None else port
+    return parts.scheme, parts.hostname, DEFAULT_PORT if port is None else port
 
 
 def format_url(scheme: str, host: str, port: int) -> str:
