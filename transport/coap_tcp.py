@@ -36,7 +36,8 @@ exercise each of them):
 - ``transports.tcp``: ``TcpConnection``, ``TCPServer``, ``TCPClient`` (``_pool``,
   ``_spawn_protocol``, ``_dispatch_incoming``, ``_dispatch_error``), ``_encode_length`` (framing.py);
 - ``transports.rfc8323common``: ``_remote_settings``, ``_process_signaling``,
-  ``_send_initial_csm``, ``_my_max_message_size``, ``maximum_payload_size``;
+  ``_send_initial_csm``, ``_my_max_message_size``, ``abort``; ``maximum_payload_size`` and
+  ``maximum_block_size_exp`` (overridden here, read by aiocoap's blockwise layer);
 - ``TokenManager`` / ``MessageManager`` wiring and ``Context.request_interfaces``
   (here, in ``server.py`` and ``client.py``);
 - ``MessageInterfaceUDP6._create_transport_endpoint`` (server.py: a UDP socket

@@ -30,12 +30,11 @@ import asyncio
 import logging
 import socket
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiocoap
-from aiocoap import Message, interfaces, resource
-from aiocoap.blockwise import Block1Spool
+from aiocoap import Message, interfaces
 from aiocoap.messagemanager import MessageManager
 from aiocoap.numbers.codes import Code
 from aiocoap.tokenmanager import TokenManager
@@ -43,30 +42,21 @@ from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
 from edgert.transport import coap_tcp, linkformat
 from edgert.transport.coap_tcp import DEFAULT_PORT, TLS_SCHEME
-from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
+from edgert.transport.endpoint import Endpoint, Handler, HandlerResult, ObservableEndpoint, peer_name
 from edgert.transport.errors import (
-    BadRequest,
-    Forbidden,
-    InternalServerError,
-    MethodNotAllowed,
     NotFound,
     ResponseError,
-    TooLarge,
     Unauthorized,
-    UnsupportedContentFormat,
 )
 from edgert.transport.guard import ConnectionGuard
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
-from edgert.transport.message import TEXT, Request, Response
+from edgert.transport.message import Request, Response
 from edgert.transport.observe import Observable
 from edgert.transport.oscore import UNPROTECTED, OscoreAddress, OscoreSite
 from edgert.transport.oscore_keys import OscoreKeys
-from edgert.transport.tls import PeerIdentity, TlsCredentials
+from edgert.transport.tls import TlsCredentials
 
 log = logging.getLogger("edgert.transport.server")
-
-HandlerResult = Response | Envelope | bytes | bytearray | str | None
-Handler = Callable[[Request], Awaitable[HandlerResult]]
 
 SCHEMES = ("coap+tcp", TLS_SCHEME, "coap")
 METHODS = ("GET", "POST", "PUT", "DELETE", "FETCH")
@@ -84,14 +74,14 @@ class TensorServer:
             raise ValueError(f"binding {TLS_SCHEME}:// needs TLS credentials (tls=TlsCredentials.load(...))")
         self.limits = limits
         self.tls = tls
-        self._endpoints: dict[tuple[str, ...], _Endpoint] = {}
+        self._endpoints: dict[tuple[str, ...], Endpoint] = {}
         self._context: aiocoap.Context | None = None
         self._oscore: OscoreKeys | None = None
         self._guard: ConnectionGuard | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self.urls: list[str] = []
-        self._add_endpoint(_Endpoint(self, WELL_KNOWN_CORE, {"GET": self._well_known_core}, rt=None,
+        self._add_endpoint(Endpoint(self, WELL_KNOWN_CORE, {"GET": self._well_known_core}, rt=None,
                                      envelope=False, kinds=None, title=None, roles=None))
 
     # -- resources ------------------------------------------------------------
@@ -113,7 +103,7 @@ class TensorServer:
                                       ("FETCH", fetch)) if h is not None}
         if not handlers:
             raise ValueError(f"resource {path!r} needs at least one handler (get/post/put/delete/fetch)")
-        self._add_endpoint(_Endpoint(self, path, handlers, rt=rt, envelope=envelope,
+        self._add_endpoint(Endpoint(self, path, handlers, rt=rt, envelope=envelope,
                                      kinds=None if kinds is None else tuple(kinds), title=title,
                                      roles=_roles_by_method(roles, handlers)))
 
@@ -124,7 +114,7 @@ class TensorServer:
         Without ``get`` the resource serves the latest value given to
         :meth:`Observable.notify` (``initial`` until then).
         """
-        endpoint = _ObservableEndpoint(self, path, {}, rt=rt, envelope=False, kinds=None, title=title, roles=None)
+        endpoint = ObservableEndpoint(self, path, {}, rt=rt, envelope=False, kinds=None, title=title, roles=None)
         observable = Observable(endpoint, initial)
         endpoint.handlers["GET"] = get or observable._latest_value
         self._add_endpoint(endpoint)
@@ -137,7 +127,7 @@ class TensorServer:
             raise KeyError(f"no removable resource at {path!r}")
         del self._endpoints[key]
 
-    def _add_endpoint(self, endpoint: _Endpoint) -> None:
+    def _add_endpoint(self, endpoint: Endpoint) -> None:
         key = _split_path(endpoint.path)
         if key in self._endpoints:
             raise ValueError(f"a resource is already registered at /{endpoint.path}")
@@ -252,7 +242,7 @@ class TensorServer:
         if refusal is None:
             return None
         log.info("refused %s /%s from %s before its payload: %s", Code(message.code).name,
-                 "/".join(message.opt.uri_path), _peer(message), refusal)
+                 "/".join(message.opt.uri_path), peer_name(message), refusal)
         return refusal.to_message()
 
     def _fast_dispatch(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> bool:
@@ -269,10 +259,10 @@ class TensorServer:
         return True
 
     async def _serve_fast(self, connection: coap_tcp.LargeTcpConnection, message: Message,
-                          endpoint: _Endpoint | None) -> None:
+                          endpoint: Endpoint | None) -> None:
         refusal = self.refusal(message)
         if refusal is not None:
-            log.info("refused %s from %s: %s", "/".join(message.opt.uri_path), _peer(message), refusal)
+            log.info("refused %s from %s: %s", "/".join(message.opt.uri_path), peer_name(message), refusal)
             response = refusal.to_message()
         elif endpoint is None:
             response = _not_found(message.opt.uri_path).to_message()
@@ -290,143 +280,13 @@ class TensorServer:
             try:
                 connection._send_message(response)
             except aiocoap.error.NetworkError:
-                log.info("peer %s left before its response", _peer(message))
+                log.info("peer %s left before its response", peer_name(message))
 
     async def __aenter__(self) -> TensorServer:
         return await self.start()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.shutdown()
-
-
-class _CappedBlock1Spool(Block1Spool):
-    """aiocoap's Block1 reassembly, linear in time, refusing (4.13) transfers over the payload limit."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def feed_and_take(self, req: Message) -> Message:
-        block1 = req.opt.block1
-        if block1 is not None:
-            announced = req.opt.size1
-            if announced is not None and announced > self.limit:
-                raise TooLarge(f"announced payload of {announced} bytes exceeds {self.limit}", size1=self.limit)
-            if block1.start + len(req.payload) > self.limit:
-                raise TooLarge(f"blockwise payload exceeds {self.limit} bytes", size1=self.limit)
-            if block1.block_number == 0 and block1.more:
-                # aiocoap appends each block with `payload += block`: on bytes that is quadratic
-                req.payload = bytearray(req.payload)
-        return super().feed_and_take(req)
-
-
-class _Endpoint(resource.Resource):
-    """One path: checks method, size, Content-Format and envelope, then calls the handler."""
-
-    def __init__(self, server: TensorServer, path: str, handlers: dict[str, Handler], *, rt: str | None,
-                 envelope: bool, kinds: tuple[str, ...] | None, title: str | None,
-                 roles: dict[str, tuple[str, ...]] | None) -> None:
-        super().__init__()
-        self.server = server
-        self.path = path.strip("/")
-        self.handlers = handlers
-        self.rt = rt
-        self.envelope = envelope
-        self.kinds = kinds
-        self.title = title
-        self.roles = roles
-        self._block1 = _CappedBlock1Spool(server.limits.max_payload_bytes)
-
-    def link(self) -> linkformat.Link:
-        """This resource's link-format entry."""
-        attrs: list[tuple[str, str | None]] = []
-        if self.rt:
-            attrs.append(("rt", self.rt))
-        if self.envelope:
-            attrs.append(("ct", str(CONTENT_FORMAT)))
-        if isinstance(self, _ObservableEndpoint):
-            attrs.append(("obs", None))
-        if self.title:
-            attrs.append(("title", self.title))
-        return linkformat.Link("/" + self.path, tuple(attrs))
-
-    async def render(self, message: Message) -> Message:
-        """Answer one (reassembled) request; never raises."""
-        method = Code(message.code)
-        try:
-            request = self._request(message, method)
-            result = await self.handlers[request.method](request)
-            return self._response(result, method)
-        except ResponseError as error:
-            log.info("%s /%s from %s: %s", method.name, self.path, _peer(message), error)
-            return error.to_message()
-        except Exception as error:  # noqa: BLE001  (a handler bug must not kill the server)
-            log.exception("handler for %s /%s failed", method.name, self.path)
-            return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
-
-    def check_head(self, message: Message, method: Code) -> PeerIdentity | None:
-        """Method (4.05), role (4.03) and Content-Format (4.15) of a request; returns the peer's identity.
-
-        Needs no payload: TCP requests are checked this way before their payload is received.
-        """
-        if not method.is_request() or method.name not in self.handlers:
-            allowed = ", ".join(sorted(self.handlers))
-            raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
-                                   f"/{self.path} (allowed: {allowed})")
-        peer = _identity(message.remote)
-        allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
-        if allowed is not None and peer.role not in allowed:
-            raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
-        content_format = message.opt.content_format
-        if self.envelope and content_format not in (None, CONTENT_FORMAT):
-            raise UnsupportedContentFormat(
-                f"/{self.path} takes Content-Format {CONTENT_FORMAT} (application/cbor envelope), "
-                f"got {int(content_format)}")
-        return peer
-
-    def _request(self, message: Message, method: Code) -> Request:
-        peer = self.check_head(message, method)
-        limits = self.server.limits
-        payload = message.payload
-        if len(payload) > limits.max_payload_bytes:
-            raise TooLarge(f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}",
-                           size1=limits.max_payload_bytes)
-        content_format = message.opt.content_format
-        request = Request(method=method.name, path=self.path, payload=payload,
-                          content_format=None if content_format is None else int(content_format),
-                          query=_query(message), peer=_peer(message), identity=peer)
-        if self.envelope:
-            if payload:
-                request.envelope = decode_envelope(payload, limits)
-                if self.kinds is not None and request.envelope.kind not in self.kinds:
-                    raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
-                                     f"got {request.envelope.kind!r}")
-            elif method.name in ("POST", "PUT", "FETCH"):
-                raise BadRequest(f"{method.name} /{self.path} needs an envelope payload")
-        return request
-
-    def _response(self, result: HandlerResult, method: Code) -> Message:
-        default = Code.CONTENT if method in (Code.GET, Code.FETCH) else (
-            Code.DELETED if method == Code.DELETE else Code.CHANGED)
-        if isinstance(result, Response):
-            return result.to_message()
-        if isinstance(result, Envelope):
-            message = Message(code=default, payload=encode_envelope(result))
-            message.opt.content_format = CONTENT_FORMAT
-            return message
-        if result is None:
-            return Message(code=default)
-        if isinstance(result, (bytes, bytearray, memoryview)):
-            return Message(code=default, payload=bytes(result) if isinstance(result, memoryview) else result)
-        if isinstance(result, str):
-            message = Message(code=default, payload=result.encode())
-            message.opt.content_format = TEXT
-            return message
-        raise TypeError(f"handler returned {type(result).__name__}; expected Response, Envelope, bytes, str or None")
-
-
-class _ObservableEndpoint(_Endpoint, resource.ObservableResource):
-    """An :class:`_Endpoint` that accepts RFC 7641 observations on GET."""
 
 
 class _Root(interfaces.Resource):
@@ -516,11 +376,6 @@ def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
     return {method: names for method in handlers}
 
 
-def _identity(remote: Any) -> PeerIdentity | None:
-    """Who sent a request, as TLS or OSCORE authenticated it (None: nobody or plaintext)."""
-    return remote.peer if isinstance(remote, (coap_tcp.LargeTcpConnection, OscoreAddress)) else None
-
-
 def _not_found(path: Iterable[str]) -> NotFound:
     return NotFound(f"no resource at /{'/'.join(path)}; GET /.well-known/core lists the resources")
 
@@ -531,16 +386,3 @@ def _split_path(path: str) -> tuple[str, ...]:
     return tuple(path.strip("/").split("/"))
 
 
-def _query(message: Message) -> dict[str, str]:
-    result = {}
-    for item in message.opt.uri_query:
-        key, _, value = item.partition("=")
-        result[key] = value
-    return result
-
-
-def _peer(message: Message) -> str:
-    try:
-        return message.remote.hostinfo
-    except Exception:  # noqa: BLE001  (only used for logs)
-        return "?"

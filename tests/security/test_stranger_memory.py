@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 
 STRANGERS = 16
 DECLARED = 60 * MiB
-STEPS = 12
+STEPS = 6  # within the coordinator's lookahead (8): a fast one-stage run can stall beyond it (issue 15 item 8)
 
 
 def resident_bytes(pid: int) -> int:
@@ -70,8 +70,7 @@ def test_sixteen_declared_60_MiB_frames_cost_under_16_MiB_and_the_worker_then_tr
 
         config = TrainConfig(plan_dir=plan, workers=(url,), out_dir=tmp_path / "run", steps=STEPS, epochs=1,
                              listen="coaps+tcp://127.0.0.1:0" if secure else "coap+tcp://127.0.0.1:0",
-                             keys=cluster.keys if secure else None, progress=False,
-                             schedule="gpipe")  # (a one-stage 1f1b run can deadlock: issue 15 item 8, not this test)
+                             keys=cluster.keys if secure else None, progress=False)
         summary = train(config)  # while the strangers still hold their connections
         assert summary.steps == STEPS
         for stranger in strangers:
