@@ -70,6 +70,7 @@ from edgert.transport import (
     TransportError,
     get_codec,
 )
+from edgert.transport.coap_tcp import DEFAULT_PORT
 from edgert.transport.errors import Forbidden
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.server import parse_url
@@ -88,7 +89,7 @@ KEPT_SEGMENTS = 8
 class WorkerConfig:
     """How a worker listens and how fast it pretends to be."""
 
-    listen: str = "coap+tcp://0.0.0.0:5701"
+    listen: str = f"coap+tcp://0.0.0.0:{DEFAULT_PORT}"
     name: str = "worker"
     slowdown: SlowdownSchedule = field(default_factory=SlowdownSchedule)
     workdir: Path | None = None
