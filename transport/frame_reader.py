@@ -269,14 +269,19 @@ class FrameReader:
         extra = grown - capacity
         if self.budget is not None and not self.budget.charge(extra):
             return False
-        try:
-            fill.payload += bytes(extra)  # in place (realloc); the zeros are never touched before written
-        except BufferError:
-            if not copy:
-                if self.budget is not None:
-                    self.budget.release(extra)
-                return None
-            fill.payload = fill.payload + bytes(extra)
+        if capacity:
+            times = -(-grown // capacity)  # repeating in place reallocates without a temporary of zeros
+            try:
+                fill.payload *= times
+            except BufferError:
+                if not copy:
+                    if self.budget is not None:
+                        self.budget.release(extra)
+                    return None
+                fill.payload = fill.payload * times
+            del fill.payload[grown:]
+        else:
+            fill.payload = bytearray(grown)
         fill.charged += extra
         return True
 
