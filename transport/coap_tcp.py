@@ -122,7 +122,7 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self.csm_received: asyncio.Future = loop.create_future()
         self.peer: PeerIdentity | None = None  # the verified certificate's identity (TLS only)
         self.verified = False
-        """Whether the peer presented a cluster credential the server trusts (TLS only)."""
+        """Whether the peer presented a cluster credential this side trusts (TLS only; a client trusts the chain)."""
         self.last_heard = loop.time()
         """Loop time of the last byte received."""
         self.pinged_at = 0.0
@@ -133,6 +133,7 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self.peer = peer_identity(transport)
         self._tls = transport.get_extra_info("ssl_object") is not None
         self.verified = self.peer is not None and (self._trust is None or self._trust(self.peer))
+        self.reader.trusted = self.verified
         refusal = None
         if self._guard is not None:
             refusal = self._guard.admit(self)
