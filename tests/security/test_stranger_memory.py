@@ -16,13 +16,11 @@ import pytest
 from aiocoap.numbers.codes import Code
 
 from edgert.coordinator import TrainConfig, train
-from edgert.exporter.export import ExportOptions, export_plan
 from edgert.localcluster import LocalCluster
-from edgert.manifest import TrainingConfig
-from edgert.models import build_model, save_model
 from edgert.transport import Limits, Request, Response, TensorClient, TensorServer
 from edgert.transport.errors import Unauthorized
 from edgert.transport.limits import MiB
+from tests.security.plans import mlp_plan
 from tests.transport.raw_peer import RawPeer, anonymous_tls, head
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,10 +40,7 @@ def resident_bytes(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("stranger-plan")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=1, training=TrainingConfig()))
-    return folder / "plan"
+    return mlp_plan(tmp_path_factory.mktemp("stranger-plan"), 1)
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["coap+tcp", "coaps+tcp-without-certificate"])

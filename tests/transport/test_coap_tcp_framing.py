@@ -14,57 +14,9 @@ from edgert.transport import Envelope, decode_envelope, encode_envelope
 from edgert.transport.coap_tcp import LargeTcpConnection
 from edgert.transport.framing import _frame_length, _options_end, serialize_head
 from edgert.transport.limits import MiB
+from tests.transport.raw_peer import RawPeer, frame
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def frame(code, token=b"\x01", path=("echo",), payload=b"", content_format=None, size1=None):
-    message = Message(code=code, payload=payload)
-    message.token = token
-    message.opt.uri_path = path
-    if content_format is not None:
-        message.opt.content_format = content_format
-    if size1 is not None:
-        message.opt.size1 = size1
-    return _serialize(message)
-
-
-def csm(max_size=1 << 20):
-    message = Message(code=Code.CSM)
-    from aiocoap import optiontypes
-    message.opt.add_option(optiontypes.UintOption(2, max_size))
-    return _serialize(message)
-
-
-class Peer:
-    """A hand-rolled RFC 8323 peer over a plain socket."""
-
-    def __init__(self, url):
-        host, port = url.split("://")[1].rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.buf = b""
-        self.sock.sendall(csm())
-        server_csm = self.read()
-        assert server_csm[0] == Code.CSM
-
-    def read(self):
-        while True:
-            info = _frame_length(self.buf)
-            if info is not None:
-                token_at, tkl, rest = info
-                total = token_at + tkl + rest
-                if len(self.buf) >= total:
-                    data, self.buf = self.buf[:total], self.buf[total:]
-                    code = data[token_at - 1]
-                    end = _options_end(data, token_at + tkl, total)
-                    return code, data[token_at:token_at + tkl], data[end + 1:] if end < total else b"", data
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("closed by server")
-            self.buf += chunk
-
-    def close(self):
-        self.sock.close()
 
 
 def test_serialize_head_matches_aiocoap():
@@ -91,33 +43,31 @@ def test_options_end_handles_partial_and_bad_input():
 def test_fragmented_and_coalesced_frames(live):
     env = Envelope("activations", tensors={"x": np.arange(1000, dtype=np.float32)})
     body = encode_envelope(env)
-    peer = Peer(live.tcp)
+    peer = RawPeer(live.tcp)
     try:
+        peer.read_until(Code.CSM)
         request = frame(Code.POST, token=b"\x07", payload=body, content_format=60)
         for i in range(0, len(request), 97):  # dribble the frame in small pieces
             peer.sock.sendall(request[i:i + 97])
-        code, token, payload, _ = peer.read()
-        assert code == Code.CHANGED and token == b"\x07"
-        assert np.array_equal(decode_envelope(payload).tensors["x"], env.tensors["x"])
+        answer = peer.read()
+        assert answer.code == Code.CHANGED and answer.token == b"\x07"
+        assert np.array_equal(decode_envelope(answer.payload).tensors["x"], env.tensors["x"])
         peer.sock.sendall(frame(Code.GET, b"\x08", ("weights",)) + frame(Code.GET, b"\x09", ("nope",)))
-        answers = {peer.read()[1]: None, peer.read()[1]: None}
-        assert set(answers) == {b"\x08", b"\x09"}
+        assert {peer.read().token, peer.read().token} == {b"\x08", b"\x09"}
     finally:
         peer.close()
 
 
 def test_over_size_frame_is_answered_with_413_and_skipped(live, still_serving):
     limit = live.server.limits.tcp_max_message_size
-    peer = Peer(live.tcp)
+    peer = RawPeer(live.tcp)
     try:
         huge = frame(Code.POST, token=b"\x0a", payload=b"\x00" * (limit + 10), content_format=60)
         peer.sock.sendall(huge)
-        code, token, payload, raw = peer.read()
-        assert code == Code.REQUEST_ENTITY_TOO_LARGE and token == b"\x0a"
-        assert b"exceeds this endpoint's Max-Message-Size" in payload
-        peer.sock.sendall(frame(Code.GET, b"\x0b", ("weights",)))  # the connection still works
-        code, token, payload, _ = peer.read()
-        assert code == Code.CONTENT and token == b"\x0b"
+        refusal = peer.read_until(Code.REQUEST_ENTITY_TOO_LARGE)
+        assert refusal.token == b"\x0a" and b"exceeds this endpoint's Max-Message-Size" in refusal.payload
+        answer = peer.request(Code.GET, ("weights",), b"\x0b")  # the connection still works
+        assert answer.code == Code.CONTENT
     finally:
         peer.close()
     still_serving()
@@ -130,12 +80,13 @@ def test_over_size_frame_is_answered_with_413_and_skipped(live, still_serving):
     bytes(range(256)),
 ])
 def test_garbage_frames_end_only_that_connection(live, still_serving, garbage):
-    peer = Peer(live.tcp)
+    peer = RawPeer(live.tcp)
     try:
+        peer.read_until(Code.CSM)
         peer.sock.sendall(garbage)
         with pytest.raises((ConnectionError, OSError)):
             while True:
-                code, *_ = peer.read()
+                code = peer.read().code
                 assert code in (Code.ABORT, Code.CONTENT, Code.NOT_FOUND, Code.BAD_REQUEST, Code.CHANGED,
                                 Code.METHOD_NOT_ALLOWED)
     finally:
