@@ -146,6 +146,15 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
             self.log.info("refused a connection from %s: %s", self.hostinfo, refusal)
             self.abort(refusal)
 
+    def _abort_with(self, abort_msg: Message) -> None:
+        """Send Abort if the connection can still carry it, and close; never raises."""
+        if self._transport is None:
+            super()._abort_with(abort_msg)  # aiocoap poisons a connection that never started
+            return
+        if not self._transport.is_closing():
+            self._send_message(abort_msg)
+        self._transport.close()
+
     # -- what the frame reader needs ------------------------------------------------------
 
     @property

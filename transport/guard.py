@@ -102,7 +102,11 @@ class ConnectionGuard:
             await asyncio.sleep(interval)
             now = loop.time()
             for connection in list(self._watched):
-                self._check(connection, now)
+                try:
+                    self._check(connection, now)
+                except Exception:  # noqa: BLE001  (one connection's trouble must not end the sweep)
+                    log.exception("checking the connection of %s failed", connection.hostinfo)
+                    self.forget(connection)
 
     def _check(self, connection: LargeTcpConnection, now: float) -> None:
         limits = self.limits
