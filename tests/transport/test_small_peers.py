@@ -47,3 +47,12 @@ def test_responses_fit_a_small_max_message_size(live, resource, max_size, block)
     assert max(sizes) == block
     whole.close()
     small.close()
+
+
+def test_an_error_diagnostic_is_shortened_to_fit(live):
+    small = RawPeer(live.tcp, max_message_size=200)
+    path = ("x" * 250,)
+    refusal = small.request(Code.GET, path, b"\x02")
+    assert refusal.code == Code.NOT_FOUND and refusal.payload.startswith(b"no resource at /xxx")
+    assert max(small.sizes[1:]) <= 200
+    small.close()
