@@ -177,8 +177,10 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         return None if self._screen is None else self._screen(self, request)
 
     def send_signal(self, message: Message) -> None:
-        """Send ``message`` now if the connection is open (refusals, Ping)."""
+        """Send ``message`` now if the connection is open (refusals, Ping); a diagnostic is cut to fit the peer."""
         if self.is_open:
+            if not self.fits(message):
+                message.payload = bytes(message.payload[:self.maximum_payload_size])
             self._send_message(message)
 
     # -- the peer's limits ------------------------------------------------------------------
