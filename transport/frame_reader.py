@@ -9,8 +9,8 @@ A :class:`FrameReader` cuts a connection's byte stream into messages:
 - an accepted payload from a peer without a verified credential is received into a buffer that
   starts at :data:`FIRST_BUFFER` bytes and grows :data:`GROWTH`-fold as bytes arrive, never past
   the declared length: a head declaring 60 MiB costs 64 KiB. A verified peer's payload buffer
-  is allocated whole when its head arrives (each growth costs a reallocation and page faults:
-  fourfold growth receives a 16 MiB payload about a third slower);
+  is allocated whole when its head arrives (each growth costs a reallocation and fresh page
+  faults: docs/PROTOCOL.md section 11 has what that costs a large plaintext payload);
 - with a :class:`~edgert.transport.guard.Budget` (a server's peers without a verified credential)
   every byte of buffer is charged to it; a frame that cannot be charged is answered 5.03 and skipped.
 
