@@ -55,7 +55,7 @@ from edgert.run_summary import RunSummary, count_events, summarise
 from edgert.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
 from edgert.schedule import SCHEDULES
 from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
-from edgert.transport.server import parse_url
+from edgert.transport.urls import parse_url
 from edgert.weights import StageState
 
 log = logging.getLogger("edgert.coordinator")
@@ -455,7 +455,7 @@ def _local_address_towards(url: str) -> str:
         return "127.0.0.1"
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        probe.connect((host, port or 5683))
+        probe.connect((host, port))
         return probe.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())

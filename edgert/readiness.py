@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from edgert.errors import EdgertError
+from edgert.transport.coap_tcp import DEFAULT_PORT
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 MIN_PYTHON = (3, 10)
@@ -42,7 +43,7 @@ class ReadinessOptions:
 
     providers: str = "cpu"
     credential: Path | None = None
-    listen_port: int | None = 5701
+    listen_port: int | None = DEFAULT_PORT
     workdir: Path | None = None
     plan: Path | None = None
     micro_batch: int = 8

@@ -71,11 +71,12 @@ from edgert.transport import (
     TransportError,
     get_codec,
 )
+from edgert.transport.coap_tcp import DEFAULT_PORT
 from edgert.transport.errors import Forbidden, UnsupportedContentFormat
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import TEXT
-from edgert.transport.server import parse_url
 from edgert.transport.tls import COORDINATOR_ROLE, TlsCredentials
+from edgert.transport.urls import parse_url
 from edgert.weights import StageState
 from edgert.worker_inputs import InputResources
 from edgert.worker_measure import MeasureResources
@@ -91,7 +92,7 @@ KEPT_SEGMENTS = 8
 class WorkerConfig:
     """How a worker listens and how fast it pretends to be."""
 
-    listen: str = "coap+tcp://0.0.0.0:5701"
+    listen: str = f"coap+tcp://0.0.0.0:{DEFAULT_PORT}"
     name: str = "worker"
     slowdown: SlowdownSchedule = field(default_factory=SlowdownSchedule)
     workdir: Path | None = None

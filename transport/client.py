@@ -4,7 +4,7 @@
 a CoAP-over-TCP pool (one connection per peer, reused) and a UDP endpoint::
 
     async with TensorClient() as client:
-        await client.send("coap+tcp://10.0.0.2:5683", "stage/1/activations", env, codec="int8:axis=1")
+        await client.send("coap+tcp://10.0.0.2:5701", "stage/1/activations", env, codec="int8:axis=1")
         weights = await client.fetch(url, "stage/1/weights")
         async for note in client.observe(url, "health"):
             ...

@@ -9,11 +9,15 @@ cannot bind port 0 and binds with SO_REUSEPORT. This module subclasses it to:
   BERT blocks from aiocoap's blockwise layer, which reads the peer's CSM);
 - receive each payload straight into its own ``bytearray``: the connection is an
   :class:`asyncio.BufferedProtocol`, so the socket writes a large payload into it
-  (``recv_into``) and nothing copies it afterwards;
+  (``recv_into``); the buffer grows with the bytes that arrived, a request is screened from
+  its head before its payload is stored, and a server bounds what peers without a verified
+  credential can hold (:mod:`~edgert.transport.frame_reader`, :mod:`~edgert.transport.guard`);
 - send the head and each large payload piece as separate writes (no join copy);
   an envelope's tensor data goes to the socket from the arrays themselves;
 - answer an over-size request with 4.13 (and Size1) and skip its bytes instead of
   aborting the connection;
+- honour a peer's Max-Message-Size below 1152 bytes: responses are split into Block2 blocks
+  that fit it (aiocoap assumes at least 1152);
 - bind port 0 (the OS picks) without SO_REUSEPORT, and wait for the server's CSM
   before the first request so that request is not split against the 1152-byte
   default;
@@ -32,7 +36,8 @@ exercise each of them):
 - ``transports.tcp``: ``TcpConnection``, ``TCPServer``, ``TCPClient`` (``_pool``,
   ``_spawn_protocol``, ``_dispatch_incoming``, ``_dispatch_error``), ``_encode_length`` (framing.py);
 - ``transports.rfc8323common``: ``_remote_settings``, ``_process_signaling``,
-  ``_send_initial_csm``, ``_my_max_message_size``, ``maximum_payload_size``;
+  ``_send_initial_csm``, ``_my_max_message_size``, ``abort``; ``maximum_payload_size`` and
+  ``maximum_block_size_exp`` (overridden here, read by aiocoap's blockwise layer);
 - ``TokenManager`` / ``MessageManager`` wiring and ``Context.request_interfaces``
   (here, in ``server.py`` and ``client.py``);
 - ``MessageInterfaceUDP6._create_transport_endpoint`` (server.py: a UDP socket
@@ -50,14 +55,14 @@ from collections.abc import Callable, Sequence
 
 from aiocoap import Message, util
 from aiocoap import error as coap_error
-from aiocoap.message import Direction
-from aiocoap.numbers.codes import Code
 from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports import rfc8323common
 from aiocoap.transports.tcp import TCPClient, TcpConnection, TCPServer
 
-from edgert.transport.framing import Buffer, _frame_length, _options_end, serialize_head
-from edgert.transport.limits import HEAD_SLACK
+from edgert.transport.frame_reader import FrameReader
+from edgert.transport.framing import Buffer, serialize_head
+from edgert.transport.guard import ConnectionGuard
+from edgert.transport.limits import Limits
 from edgert.transport.tls import PeerIdentity, peer_identity
 
 #: Payloads at or above this size are written separately from their head.
@@ -66,11 +71,16 @@ _SPLIT_WRITE = 64 * 1024
 #: Large payloads go to a TLS transport in slices of this size (encryption overlaps sending).
 _TLS_SLICE = 256 * 1024
 
-#: Size of the reused buffer that frame heads (and small frames) are received into.
-_SCRATCH = 64 * 1024
+#: The port edgert servers listen on, and what a URL without a port means, for every scheme.
+#: (Not CoAP's registered 5683/5684, which other CoAP stacks assume: give them the port.)
+DEFAULT_PORT = 5701
 
-#: Scheme and default port of CoAP over TLS (RFC 8323).
-TLS_SCHEME, COAPS_PORT = "coaps+tcp", 5684
+#: Scheme of CoAP over TLS (RFC 8323).
+TLS_SCHEME = "coaps+tcp"
+
+#: Bytes kept beside a block for a response's head, when blocks must fit a peer's Max-Message-Size
+#: (RFC 8323's default of 1152 is one 1024-byte block and this).
+BLOCK_HEAD_ROOM = 128
 
 #: Seconds a new client connection waits for the server's CSM.
 CSM_TIMEOUT = 5.0
@@ -83,45 +93,121 @@ _fast_tokens = itertools.count(1)
 FastServer = Callable[["LargeTcpConnection", Message], bool]
 """``hook(connection, request) -> handled``: a server's fast path; False hands the request to aiocoap."""
 
+Screen = Callable[["LargeTcpConnection", Message], "Message | None"]
+"""``screen(connection, request_head) -> refusal``: a server's check of a request before its payload is stored."""
+
+Trust = Callable[[PeerIdentity], bool]
+"""``trust(identity) -> bool``: whether a TLS peer's verified identity counts as a cluster member."""
+
 
 class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
     """One RFC 8323 connection with a configurable Max-Message-Size and a linear receive path.
 
     As a :class:`asyncio.BufferedProtocol` it receives a large payload straight into
-    the payload's own buffer (``recv_into``); heads and small frames land in a reused scratch buffer.
+    the payload's own buffer (``recv_into``); heads and small frames land in a reused
+    scratch buffer (:class:`~edgert.transport.frame_reader.FrameReader`).
     """
 
     def __init__(self, ctx, log, loop, *, is_server: bool, max_message_size: int,
-                 fast_server: FastServer | None = None) -> None:
+                 fast_server: FastServer | None = None, screen: Screen | None = None,
+                 guard: ConnectionGuard | None = None, trust: Trust | None = None) -> None:
         super().__init__(ctx, log, loop, is_server=is_server)
         self._my_max_message_size = max_message_size
         self._fast_server = fast_server
+        self._screen = screen
+        self._guard = guard
+        self._trust = trust
         self._pending: dict[bytes, asyncio.Future] = {}
-        self._head = bytearray()
-        self._fill: tuple[Message, bytearray] | None = None
-        self._filled = 0
-        self._discard = 0
-        self._scratch = memoryview(bytearray(_SCRATCH))
+        self.reader = FrameReader(self)
         self.csm_received: asyncio.Future = loop.create_future()
         self.peer: PeerIdentity | None = None  # the verified certificate's identity (TLS only)
+        self.verified = False
+        """Whether the peer presented a cluster credential this side trusts (TLS only; a client trusts the chain)."""
+        self.last_heard = loop.time()
+        """Loop time of the last byte received."""
+        self.pinged_at = 0.0
+        """Loop time of the last Ping sent for silence (see :class:`~edgert.transport.guard.ConnectionGuard`)."""
         self._tls = False
 
     def connection_made(self, transport) -> None:
         self.peer = peer_identity(transport)
         self._tls = transport.get_extra_info("ssl_object") is not None
-        if self._local_is_server:
+        self.verified = self.peer is not None and (self._trust is None or self._trust(self.peer))
+        self.reader.trusted = self.verified
+        refusal = None
+        if self._guard is not None:
+            refusal = self._guard.admit(self)
+            if refusal is None and not self.verified:
+                self.reader.budget = self._guard.budget
+        if self._local_is_server and refusal is None:
             self._ctx._pool.add(self)
-        super().connection_made(transport)
+        super().connection_made(transport)  # sends our CSM
+        if refusal is not None:
+            self.log.info("refused a connection from %s: %s", self.hostinfo, refusal)
+            self.abort(refusal)
+
+    def _abort_with(self, abort_msg: Message) -> None:
+        """Send Abort if the connection can still carry it, and close; never raises."""
+        if self._transport is None:
+            super()._abort_with(abort_msg)  # aiocoap poisons a connection that never started
+            return
+        if not self._transport.is_closing():
+            self._send_message(abort_msg)
+        self._transport.close()
+
+    # -- what the frame reader needs ------------------------------------------------------
+
+    @property
+    def max_message_size(self) -> int:
+        """The Max-Message-Size this side announced."""
+        return self._my_max_message_size
+
+    @property
+    def csm_seen(self) -> bool:
+        """Whether the peer's CSM arrived."""
+        return self._remote_settings is not None
+
+    @property
+    def mid_frame(self) -> bool:
+        """Whether the peer owes bytes: its CSM, or the rest of a frame it began."""
+        return self._remote_settings is None or self.reader.mid_frame
+
+    def screen(self, request: Message) -> Message | None:
+        """The server's refusal of ``request`` from its head (None: receive the payload)."""
+        return None if self._screen is None else self._screen(self, request)
+
+    def send_signal(self, message: Message) -> None:
+        """Send ``message`` now if the connection is open (refusals, Ping); a diagnostic is cut to fit the peer."""
+        if self.is_open:
+            if not self.fits(message):
+                message.payload = bytes(message.payload[:self.maximum_payload_size])
+            self._send_message(message)
+
+    # -- the peer's limits ------------------------------------------------------------------
 
     @property
     def peer_max_message_size(self) -> int:
         """The Max-Message-Size the peer announced in its CSM (1152 before it arrived)."""
         return (self._remote_settings or {}).get("max-message-size", 1152)
 
+    @property
+    def maximum_payload_size(self) -> int:
+        """The largest payload sent unsplit to this peer (aiocoap's blockwise reads it)."""
+        return max(16, self.peer_max_message_size - BLOCK_HEAD_ROOM)
+
+    @property
+    def maximum_block_size_exp(self) -> int:
+        """SZX of the blocks sent to this peer: BERT (7) if it takes it, else the largest block that fits."""
+        room = self.maximum_payload_size
+        if room >= 1024:
+            bert = self.peer_max_message_size > 1152 and (self._remote_settings or {}).get("block-wise-transfer")
+            return 7 if bert else 6
+        return max(0, room.bit_length() - 5)  # 16 << szx <= room
+
     def fits(self, message: Message) -> bool:
         """Whether ``message`` travels as one message to this peer (by its Max-Message-Size, BERT or not)."""
         size = len(message.payload)
-        if size + 64 <= min(self.peer_max_message_size, 1152):
+        if size <= self.maximum_payload_size:
             return True
         return len(serialize_head(message)) + size <= self.peer_max_message_size
 
@@ -185,122 +271,17 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
     # -- receiving -------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._fill is not None:
-            return memoryview(self._fill[1])[self._filled:]
-        return self._scratch
+        return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._fill is None:
-            self.data_received(self._scratch[:nbytes])
-            return
-        self._filled += nbytes
-        msg, payload = self._fill
-        if self._filled == len(payload):
-            self._fill = None
-            self._deliver(msg)
+        self.last_heard = self.loop.time()
+        self.reader.buffer_updated(nbytes)
 
     def data_received(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            if self._discard:
-                step = min(self._discard, len(view))
-                self._discard -= step
-                view = view[step:]
-                continue
-            if self._fill is not None:
-                msg, payload = self._fill
-                step = min(len(payload) - self._filled, len(view))
-                payload[self._filled : self._filled + step] = view[:step]
-                self._filled += step
-                view = view[step:]
-                if self._filled == len(payload):
-                    self._fill = None
-                    if not self._deliver(msg):
-                        return
-                continue
-            self._head += view
-            view = view[len(view) :]
-            if not self._parse_head():
-                return
+        self.last_heard = self.loop.time()
+        self.reader.feed(data)
 
-    def _parse_head(self) -> bool:
-        """Consume complete frames (or start a payload fill) from ``self._head``; False if aborted."""
-        while self._head:
-            frame = _frame_length(self._head)
-            if frame is None:
-                return True
-            token_at, tkl, rest = frame
-            total = token_at + tkl + rest
-            if tkl > 8:
-                self.abort("Overly long token")
-                return False
-            if total > self._my_max_message_size:
-                if len(self._head) < token_at + tkl:
-                    return True
-                if not self._refuse_oversize(token_at, tkl, total):
-                    return False
-                continue
-            opt_at = token_at + tkl
-            try:
-                opt_end = _options_end(self._head, opt_at, total)
-            except coap_error.UnparsableMessage as exc:
-                self.abort(f"Failed to parse message: {exc}")
-                return False
-            if opt_end is None:
-                return True
-            msg = Message(code=self._head[token_at - 1], _token=bytes(self._head[token_at:opt_at]))
-            try:
-                msg.opt.decode(bytes(self._head[opt_at:opt_end]))
-            except (coap_error.UnparsableMessage, ValueError) as exc:
-                self.abort(f"Failed to parse options: {exc}")
-                return False
-            msg.direction = Direction.INCOMING
-            msg.remote = self
-            if opt_end == total:
-                msg.payload = b""
-                del self._head[:total]
-                if not self._deliver(msg):
-                    return False
-                continue
-            start = opt_end + 1
-            payload = bytearray(total - start)
-            have = min(len(self._head), total) - start
-            payload[:have] = memoryview(self._head)[start : start + have]
-            msg.payload = payload
-            del self._head[: start + have]
-            if have == len(payload):
-                if not self._deliver(msg):
-                    return False
-                continue
-            self._fill = (msg, payload)
-            self._filled = have
-            return True
-        return True
-
-    def _refuse_oversize(self, token_at: int, tkl: int, total: int) -> bool:
-        """Answer an over-size request with 4.13 and skip its bytes; abort (False) on anything else."""
-        code = Code(self._head[token_at - 1])
-        if not code.is_request() or self._remote_settings is None:
-            self.abort(f"Overly large message announced ({total} bytes)")
-            return False
-        token = bytes(self._head[token_at : token_at + tkl])
-        answer = Message(
-            code=Code.REQUEST_ENTITY_TOO_LARGE,
-            payload=(
-                f"message of {total} bytes exceeds this endpoint's Max-Message-Size of "
-                f"{self._my_max_message_size} bytes"
-            ).encode(),
-        )
-        answer.token = token
-        answer.opt.size1 = max(0, self._my_max_message_size - HEAD_SLACK)
-        self._send_message(answer)
-        skip = min(total, len(self._head))
-        del self._head[:skip]
-        self._discard = total - skip
-        self.log.warning("Refused over-size request of %d bytes from %s", total, self.hostinfo)
-        return True
-
-    def _deliver(self, msg: Message) -> bool:
+    def deliver(self, msg: Message) -> bool:
         """Hand one complete message to signalling or the token manager; False if the connection ended."""
         if msg.code.is_signalling():
             try:
@@ -340,29 +321,38 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         if not self.csm_received.done():
             self.csm_received.set_exception(coap_error.NetworkError(f"connection lost before CSM: {exc}"))
             self.csm_received.exception()  # mark retrieved
+        self.reader.close()  # the buffers go now, whoever still refers to this connection
+        if self._guard is not None:
+            self._guard.forget(self)
         if self._ctx is not None:
             super().connection_lost(exc)
 
 
 class LargeTCPServer(TCPServer):
-    """aiocoap's TCP server with port 0, no SO_REUSEPORT and :class:`LargeTcpConnection`."""
+    """aiocoap's TCP server with port 0, no SO_REUSEPORT, :class:`LargeTcpConnection` and a connection guard."""
+
+    _default_port = DEFAULT_PORT
 
     @classmethod
-    async def create_large_server(cls, host: str, port: int, tman, log, loop, *, max_message_size: int,
-                                  fast_server: FastServer | None = None, ssl_context: ssl.SSLContext | None = None):
+    async def create_large_server(cls, host: str, port: int, tman, log, loop, *, limits: Limits,
+                                  guard: ConnectionGuard, fast_server: FastServer | None = None,
+                                  screen: Screen | None = None, trust: Trust | None = None,
+                                  ssl_context: ssl.SSLContext | None = None):
         self = cls()
         if ssl_context is not None:
-            self._scheme, self._default_port = TLS_SCHEME, COAPS_PORT
+            self._scheme = TLS_SCHEME
         self._tokenmanager = tman
         self.log = log
+        max_message_size = limits.tcp_max_message_size
 
         def new_connection():
             # joins self._pool in connection_made: a failed TLS handshake never gets there, so never leaks
             return LargeTcpConnection(self, log, loop, is_server=True, max_message_size=max_message_size,
-                                      fast_server=fast_server)
+                                      fast_server=fast_server, screen=screen, guard=guard, trust=trust)
 
+        tls = {} if ssl_context is None else {"ssl": ssl_context, "ssl_handshake_timeout": limits.frame_timeout}
         try:
-            self.server = await loop.create_server(new_connection, host, port, ssl=ssl_context)
+            self.server = await loop.create_server(new_connection, host, port, **tls)
         except socket.gaierror as exc:
             raise coap_error.ResolutionError(f"no local bindable address for {host!r}") from exc
         return self
@@ -376,6 +366,7 @@ class LargeTCPServer(TCPServer):
 class LargeTCPClient(TCPClient):
     """aiocoap's TCP client pool using :class:`LargeTcpConnection` and waiting for the peer's CSM."""
 
+    _default_port = DEFAULT_PORT
     max_message_size: int = 1024 * 1024
     csm_timeout: float = CSM_TIMEOUT
     ssl_context: ssl.SSLContext | None = None
@@ -441,22 +432,26 @@ class LargeTCPClient(TCPClient):
         self = await cls.create_client_transport(tman, log, loop)
         self.max_message_size = max_message_size
         if ssl_context is not None:
-            self._scheme, self._default_port, self.ssl_context = TLS_SCHEME, COAPS_PORT, ssl_context
+            self._scheme, self.ssl_context = TLS_SCHEME, ssl_context
         self._connecting = {}
         return self
 
 
-async def add_tcp_server(ctx, host: str, port: int, *, max_message_size: int,
-                         fast_server: FastServer | None = None,
+async def add_tcp_server(ctx, host: str, port: int, *, limits: Limits, guard: ConnectionGuard,
+                         fast_server: FastServer | None = None, screen: Screen | None = None,
+                         trust: Trust | None = None,
                          ssl_context: ssl.SSLContext | None = None) -> LargeTCPServer:
     """Attach a listening :class:`LargeTCPServer` to an aiocoap ``Context``; returns it.
 
-    With ``ssl_context`` it serves ``coaps+tcp`` (TLS) instead of ``coap+tcp``.
+    With ``ssl_context`` it serves ``coaps+tcp`` (TLS) instead of ``coap+tcp``. ``guard`` applies
+    ``limits``' connection limits (share one between the listeners of one server); ``screen``
+    checks each request's head before its payload is received; ``trust`` says which TLS peers
+    count as verified.
     """
     tman = TokenManager(ctx)
     server = await LargeTCPServer.create_large_server(
-        host, port, tman, ctx.log, ctx.loop, max_message_size=max_message_size, fast_server=fast_server,
-        ssl_context=ssl_context,
+        host, port, tman, ctx.log, ctx.loop, limits=limits, guard=guard, fast_server=fast_server,
+        screen=screen, trust=trust, ssl_context=ssl_context,
     )
     tman.token_interface = server
     ctx.request_interfaces.append(tman)

@@ -55,6 +55,12 @@ class Unauthorized(ResponseError):
 
     code = Code.UNAUTHORIZED
 
+    def to_message(self) -> Message:
+        """The 4.01 with Max-Age 0: a refusal is not to be cached (RFC 8613 section 8.2 for OSCORE)."""
+        message = super().to_message()
+        message.opt.max_age = 0
+        return message
+
 
 class Forbidden(ResponseError):
     """4.03: the peer is known but may not do this (wrong role, unsigned manifest, forbidden op domain)."""

@@ -1,8 +1,10 @@
-"""Declared limits: how big and how deep a message may be before it is refused.
+"""Declared limits: how big and how deep a message may be, and what a peer may hold, before it is refused.
 
 One frozen :class:`Limits` travels with every server, client and decoder. Size
 limits are answered with 4.13 (Request Entity Too Large, Size1 = the limit);
-structural limits (nesting depth, dimensions) with 4.00.
+structural limits (nesting depth, dimensions) with 4.00. The connection limits bound
+what peers without a verified cluster credential can make a CoAP-over-TCP server hold
+(connections, buffered bytes, time; docs/SECURITY.md, "Bounded resources").
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ MAX_CSM_SIZE = 0xFFFFFFFF
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps applied while receiving and decoding; every field is a positive integer."""
+    """Caps applied while receiving and decoding: sizes and counts are positive ints, timeouts positive seconds."""
 
     max_payload_bytes: int = 64 * MiB
     """One request or response payload, after blockwise reassembly (4.13)."""
@@ -43,13 +45,30 @@ class Limits:
     """Max-Message-Size advertised on CoAP-over-TCP connections; 0 means payload limit + head slack.
 
     Set it below the payload limit to make peers send BERT blocks instead of one message.
+    It is also the most one connection buffers at once: frames arrive one after the other.
     """
+    max_connections: int = 64
+    """Open CoAP-over-TCP connections of peers without a verified cluster credential, per server; the
+    next one is aborted at once (7.05 "too many connections"). Enrolled peers over TLS are not counted."""
+    max_unverified_bytes: int = 256 * MiB
+    """Payload bytes of incomplete frames from peers without a verified credential, per server, all
+    connections together; a frame that would pass it is answered 5.03 and skipped."""
+    frame_timeout: float = 30.0
+    """Seconds a connection may go without a byte while a frame (or the peer's CSM) is incomplete,
+    and without answering a Ping; then it is aborted."""
+    idle_timeout: float = 120.0
+    """Seconds of silence after which a server sends a connection a Ping (RFC 8323 section 5.4)."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"Limits.{field.name} must be an int, got {value!r}")
+            seconds = field.type == "float"
+            if not isinstance(value, (int, float) if seconds else int) or isinstance(value, bool):
+                raise TypeError(f"Limits.{field.name} must be {'a number' if seconds else 'an int'}, got {value!r}")
+            if seconds:
+                if not value > 0:
+                    raise ValueError(f"Limits.{field.name} must be > 0 seconds, got {value}")
+                continue
             minimum = 0 if field.name == "tcp_message_bytes" else 1
             if value < minimum:
                 raise ValueError(f"Limits.{field.name} must be >= {minimum}, got {value}")

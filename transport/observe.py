@@ -20,7 +20,7 @@ from edgert.transport.message import Request, Response
 
 if TYPE_CHECKING:
     from edgert.transport.client import TensorClient
-    from edgert.transport.server import HandlerResult, _ObservableEndpoint
+    from edgert.transport.endpoint import HandlerResult, ObservableEndpoint
 
 
 class Observation:
@@ -114,7 +114,7 @@ class Observation:
 class Observable:
     """Handle of an observable resource: :meth:`notify` sets its value and informs every observer."""
 
-    def __init__(self, endpoint: _ObservableEndpoint, initial: HandlerResult) -> None:
+    def __init__(self, endpoint: ObservableEndpoint, initial: HandlerResult) -> None:
         self._endpoint = endpoint
         self._value = initial
 

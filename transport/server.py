@@ -30,13 +30,12 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiocoap
-from aiocoap import Message, interfaces, resource
+from aiocoap import Message, interfaces
 from aiocoap import error as coap_error
-from aiocoap.blockwise import Block1Spool
 from aiocoap.messagemanager import MessageManager
 from aiocoap.numbers.codes import Code
 from aiocoap.tokenmanager import TokenManager
@@ -44,30 +43,22 @@ from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
 from edgert.transport import coap_tcp, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
-from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
+from edgert.transport.endpoint import Endpoint, Handler, HandlerResult, ObservableEndpoint, peer_name
 from edgert.transport.errors import (
-    BadRequest,
-    Forbidden,
-    InternalServerError,
-    MethodNotAllowed,
     NotFound,
     ResponseError,
-    TooLarge,
     Unauthorized,
-    UnsupportedContentFormat,
 )
+from edgert.transport.guard import ConnectionGuard
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
-from edgert.transport.message import TEXT, Request, Response
+from edgert.transport.message import Request, Response
 from edgert.transport.observe import Observable
 from edgert.transport.oscore import UNPROTECTED, OscoreAddress, OscoreSite
 from edgert.transport.oscore_keys import OscoreKeys
-from edgert.transport.tls import PeerIdentity, TlsCredentials
+from edgert.transport.tls import TlsCredentials
 from edgert.transport.urls import format_url, parse_url
 
 log = logging.getLogger("edgert.transport.server")
-
-HandlerResult = Response | Envelope | bytes | bytearray | str | None
-Handler = Callable[[Request], Awaitable[HandlerResult]]
 
 METHODS = ("GET", "POST", "PUT", "DELETE", "FETCH")
 WELL_KNOWN_CORE = ".well-known/core"
@@ -84,13 +75,14 @@ class TensorServer:
             raise ValueError(f"binding {TLS_SCHEME}:// needs TLS credentials (tls=TlsCredentials.load(...))")
         self.limits = limits
         self.tls = tls
-        self._endpoints: dict[tuple[str, ...], _Endpoint] = {}
+        self._endpoints: dict[tuple[str, ...], Endpoint] = {}
         self._context: aiocoap.Context | None = None
         self._oscore: OscoreKeys | None = None
+        self._guard: ConnectionGuard | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self.urls: list[str] = []
-        self._add_endpoint(_Endpoint(self, WELL_KNOWN_CORE, {"GET": self._well_known_core}, rt=None,
+        self._add_endpoint(Endpoint(self, WELL_KNOWN_CORE, {"GET": self._well_known_core}, rt=None,
                                      envelope=False, kinds=None, title=None, roles=None))
 
     # -- resources ------------------------------------------------------------
@@ -112,7 +104,7 @@ class TensorServer:
                                       ("FETCH", fetch)) if h is not None}
         if not handlers:
             raise ValueError(f"resource {path!r} needs at least one handler (get/post/put/delete/fetch)")
-        self._add_endpoint(_Endpoint(self, path, handlers, rt=rt, envelope=envelope,
+        self._add_endpoint(Endpoint(self, path, handlers, rt=rt, envelope=envelope,
                                      kinds=None if kinds is None else tuple(kinds), title=title,
                                      roles=_roles_by_method(roles, handlers)))
 
@@ -123,7 +115,7 @@ class TensorServer:
         Without ``get`` the resource serves the latest value given to
         :meth:`Observable.notify` (``initial`` until then).
         """
-        endpoint = _ObservableEndpoint(self, path, {}, rt=rt, envelope=False, kinds=None, title=title, roles=None)
+        endpoint = ObservableEndpoint(self, path, {}, rt=rt, envelope=False, kinds=None, title=title, roles=None)
         observable = Observable(endpoint, initial)
         endpoint.handlers["GET"] = get or observable._latest_value
         self._add_endpoint(endpoint)
@@ -136,7 +128,7 @@ class TensorServer:
             raise KeyError(f"no removable resource at {path!r}")
         del self._endpoints[key]
 
-    def _add_endpoint(self, endpoint: _Endpoint) -> None:
+    def _add_endpoint(self, endpoint: Endpoint) -> None:
         key = _split_path(endpoint.path)
         if key in self._endpoints:
             raise ValueError(f"a resource is already registered at /{endpoint.path}")
@@ -166,12 +158,14 @@ class TensorServer:
             site = OscoreSite(site, self._oscore)
         context = aiocoap.Context(loop=loop, serversite=site, loggername="coap-server")
         self._context = context
+        self._guard = ConnectionGuard(self.limits)
+        trust = None if self.tls is None else (lambda peer: self.tls.check(peer) is None)
         try:
             for scheme, host, port in self._binds:
                 if scheme in ("coap+tcp", TLS_SCHEME):
                     server = await coap_tcp.add_tcp_server(
-                        context, host, port, max_message_size=self.limits.tcp_max_message_size,
-                        fast_server=self._fast_dispatch,
+                        context, host, port, limits=self.limits, guard=self._guard,
+                        fast_server=self._fast_dispatch, screen=self._screen, trust=trust,
                         ssl_context=self.tls.server_context if scheme == TLS_SCHEME else None)
                     bound = server.port
                 else:
@@ -205,6 +199,9 @@ class TensorServer:
             task.cancel()
         if context is not None and context.request_interfaces:  # aiocoap fails on a context with none
             await context.shutdown()
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            await guard.close()
         oscore, self._oscore = self._oscore, None
         if oscore is not None:
             oscore.close()
@@ -226,7 +223,33 @@ class TensorServer:
             return None
         return None if reason is None else Unauthorized(reason)
 
-    # -- TCP fast path ----------------------------------------------------------
+    @property
+    def unverified_connections(self) -> int:
+        """Open TCP connections of peers without a verified cluster credential (bounded by ``max_connections``)."""
+        return 0 if self._guard is None else self._guard.unverified_connections
+
+    # -- TCP: screening and the fast path -----------------------------------------
+
+    def _screen(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> Message | None:
+        """The answer to a TCP request that is refused from its head alone, so its payload is never stored.
+
+        Identity (4.01), path (4.04), method (4.05), role (4.03) and Content-Format (4.15) are
+        known before the payload; None lets the payload in.
+        """
+        refusal: ResponseError | None = self.refusal(message)
+        if refusal is None:
+            endpoint = self._endpoints.get(tuple(message.opt.uri_path))
+            try:
+                if endpoint is None:
+                    raise _not_found(message.opt.uri_path)
+                endpoint.check_head(message, Code(message.code))
+            except ResponseError as error:
+                refusal = error
+        if refusal is None:
+            return None
+        log.info("refused %s /%s from %s before its payload: %s", Code(message.code).name,
+                 "/".join(message.opt.uri_path), peer_name(message), refusal)
+        return refusal.to_message()
 
     def _fast_dispatch(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> bool:
         """Serve a plain TCP request without aiocoap's per-request machinery; False = not eligible."""
@@ -242,155 +265,37 @@ class TensorServer:
         return True
 
     async def _serve_fast(self, connection: coap_tcp.LargeTcpConnection, message: Message,
-                          endpoint: _Endpoint | None) -> None:
+                          endpoint: Endpoint | None) -> None:
         refusal = self.refusal(message)
         if refusal is not None:
-            log.info("refused %s from %s: %s", "/".join(message.opt.uri_path), _peer(message), refusal)
+            log.info("refused %s from %s: %s", "/".join(message.opt.uri_path), peer_name(message), refusal)
             response = refusal.to_message()
         elif endpoint is None:
             response = _not_found(message.opt.uri_path).to_message()
         else:
             response = await endpoint.render(message)
-            if not connection.fits(response):
-                ready = response  # larger than the peer takes in one message: serve Block2 like aiocoap does
+        if not connection.fits(response):  # larger than the peer takes in one message
+            if endpoint is not None and response.code.is_successful():
+                ready = response  # serve Block2 like aiocoap does
 
                 async def rendered() -> Message:
                     return ready
 
                 response = await endpoint._block2.extract_or_insert(message, rendered)
+            else:  # a diagnostic: shortened to fit
+                response.payload = bytes(response.payload[:connection.maximum_payload_size])
         response.token = message.token
         if connection.is_open:
             try:
                 connection._send_message(response)
             except aiocoap.error.NetworkError:
-                log.info("peer %s left before its response", _peer(message))
+                log.info("peer %s left before its response", peer_name(message))
 
     async def __aenter__(self) -> TensorServer:
         return await self.start()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.shutdown()
-
-
-class _CappedBlock1Spool(Block1Spool):
-    """aiocoap's Block1 reassembly, linear in time, refusing (4.13) transfers over the payload limit."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def feed_and_take(self, req: Message) -> Message:
-        block1 = req.opt.block1
-        if block1 is not None:
-            announced = req.opt.size1
-            if announced is not None and announced > self.limit:
-                raise TooLarge(f"announced payload of {announced} bytes exceeds {self.limit}", size1=self.limit)
-            if block1.start + len(req.payload) > self.limit:
-                raise TooLarge(f"blockwise payload exceeds {self.limit} bytes", size1=self.limit)
-            if block1.block_number == 0 and block1.more:
-                # aiocoap appends each block with `payload += block`: on bytes that is quadratic
-                req.payload = bytearray(req.payload)
-        return super().feed_and_take(req)
-
-
-class _Endpoint(resource.Resource):
-    """One path: checks method, size, Content-Format and envelope, then calls the handler."""
-
-    def __init__(self, server: TensorServer, path: str, handlers: dict[str, Handler], *, rt: str | None,
-                 envelope: bool, kinds: tuple[str, ...] | None, title: str | None,
-                 roles: dict[str, tuple[str, ...]] | None) -> None:
-        super().__init__()
-        self.server = server
-        self.path = path.strip("/")
-        self.handlers = handlers
-        self.rt = rt
-        self.envelope = envelope
-        self.kinds = kinds
-        self.title = title
-        self.roles = roles
-        self._block1 = _CappedBlock1Spool(server.limits.max_payload_bytes)
-
-    def link(self) -> linkformat.Link:
-        """This resource's link-format entry."""
-        attrs: list[tuple[str, str | None]] = []
-        if self.rt:
-            attrs.append(("rt", self.rt))
-        if self.envelope:
-            attrs.append(("ct", str(CONTENT_FORMAT)))
-        if isinstance(self, _ObservableEndpoint):
-            attrs.append(("obs", None))
-        if self.title:
-            attrs.append(("title", self.title))
-        return linkformat.Link("/" + self.path, tuple(attrs))
-
-    async def render(self, message: Message) -> Message:
-        """Answer one (reassembled) request; never raises."""
-        method = Code(message.code)
-        try:
-            request = self._request(message, method)
-            result = await self.handlers[request.method](request)
-            return self._response(result, method)
-        except ResponseError as error:
-            log.info("%s /%s from %s: %s", method.name, self.path, _peer(message), error)
-            return error.to_message()
-        except Exception as error:  # noqa: BLE001  (a handler bug must not kill the server)
-            log.exception("handler for %s /%s failed", method.name, self.path)
-            return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
-
-    def _request(self, message: Message, method: Code) -> Request:
-        if not method.is_request() or method.name not in self.handlers:
-            allowed = ", ".join(sorted(self.handlers))
-            raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
-                                   f"/{self.path} (allowed: {allowed})")
-        peer = _identity(message.remote)
-        allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
-        if allowed is not None and peer.role not in allowed:
-            raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
-        limits = self.server.limits
-        payload = message.payload
-        if len(payload) > limits.max_payload_bytes:
-            raise TooLarge(f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}",
-                           size1=limits.max_payload_bytes)
-        content_format = message.opt.content_format
-        request = Request(method=method.name, path=self.path, payload=payload,
-                          content_format=None if content_format is None else int(content_format),
-                          query=_query(message), peer=_peer(message), identity=peer)
-        if self.envelope:
-            if request.content_format not in (None, CONTENT_FORMAT):
-                raise UnsupportedContentFormat(
-                    f"/{self.path} takes Content-Format {CONTENT_FORMAT} (application/cbor envelope), "
-                    f"got {request.content_format}")
-            if payload:
-                request.envelope = decode_envelope(payload, limits)
-                if self.kinds is not None and request.envelope.kind not in self.kinds:
-                    raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
-                                     f"got {request.envelope.kind!r}")
-            elif method.name in ("POST", "PUT", "FETCH"):
-                raise BadRequest(f"{method.name} /{self.path} needs an envelope payload")
-        return request
-
-    def _response(self, result: HandlerResult, method: Code) -> Message:
-        default = Code.CONTENT if method in (Code.GET, Code.FETCH) else (
-            Code.DELETED if method == Code.DELETE else Code.CHANGED)
-        if isinstance(result, Response):
-            return result.to_message()
-        if isinstance(result, Envelope):
-            message = Message(code=default, payload=encode_envelope(result))
-            message.opt.content_format = CONTENT_FORMAT
-            return message
-        if result is None:
-            return Message(code=default)
-        if isinstance(result, (bytes, bytearray, memoryview)):
-            return Message(code=default, payload=bytes(result) if isinstance(result, memoryview) else result)
-        if isinstance(result, str):
-            message = Message(code=default, payload=result.encode())
-            message.opt.content_format = TEXT
-            return message
-        raise TypeError(f"handler returned {type(result).__name__}; expected Response, Envelope, bytes, str or None")
-
-
-class _ObservableEndpoint(_Endpoint, resource.ObservableResource):
-    """An :class:`_Endpoint` that accepts RFC 7641 observations on GET."""
 
 
 class _Root(interfaces.Resource):
@@ -458,11 +363,6 @@ def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
     return {method: names for method in handlers}
 
 
-def _identity(remote: Any) -> PeerIdentity | None:
-    """Who sent a request, as TLS or OSCORE authenticated it (None: nobody or plaintext)."""
-    return remote.peer if isinstance(remote, (coap_tcp.LargeTcpConnection, OscoreAddress)) else None
-
-
 def _not_found(path: Iterable[str]) -> NotFound:
     return NotFound(f"no resource at /{'/'.join(path)}; GET /.well-known/core lists the resources")
 
@@ -473,16 +373,3 @@ def _split_path(path: str) -> tuple[str, ...]:
     return tuple(path.strip("/").split("/"))
 
 
-def _query(message: Message) -> dict[str, str]:
-    result = {}
-    for item in message.opt.uri_query:
-        key, _, value = item.partition("=")
-        result[key] = value
-    return result
-
-
-def _peer(message: Message) -> str:
-    try:
-        return message.remote.hostinfo
-    except Exception:  # noqa: BLE001  (only used for logs)
-        return "?"

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import urllib.parse
 
-from edgert.transport.coap_tcp import COAPS_PORT, TLS_SCHEME
+from edgert.transport.coap_tcp import DEFAULT_PORT, TLS_SCHEME
 from edgert.transport.errors import InvalidUrl
 
 SCHEMES = ("coap+tcp", TLS_SCHEME, "coap")
-COAP_PORT = 5683  # RFC 7252's default for coap:// and coap+tcp:// (RFC 8323)
 
 
 def parse_url(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port``; raises InvalidUrl."""
+    """(scheme, host, port) of ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port``; raises InvalidUrl.
+
+    Without a port the URL means :data:`~edgert.transport.coap_tcp.DEFAULT_PORT`, whatever the scheme.
+    """
     if not isinstance(url, str):
         raise InvalidUrl(f"URL {url!r} is not a string")
     if "://" not in url:
@@ -32,8 +34,7 @@ def parse_url(url: str) -> tuple[str, str, int]:
         port = parts.port
     except ValueError:
         raise InvalidUrl(f"URL {url!r} has an invalid port (0 to 65535)") from None
-    default = COAPS_PORT if parts.scheme == TLS_SCHEME else COAP_PORT
-    return parts.scheme, parts.hostname, default if port is None else port
+    return parts.scheme, parts.hostname, DEFAULT_PORT if port is None else port
 
 
 def format_url(scheme: str, host: str, port: int) -> str:

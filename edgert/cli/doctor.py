@@ -9,6 +9,7 @@ import click
 
 from edgert.cli import main
 from edgert.cli.table import format_table
+from edgert.transport.coap_tcp import DEFAULT_PORT
 
 
 @main.command("doctor")
@@ -16,7 +17,7 @@ from edgert.cli.table import format_table
               help="The execution providers the worker will be started with.")
 @click.option("--credential", type=click.Path(dir_okay=False, path_type=Path), default=None,
               envvar="EDGERT_CREDENTIAL", help="The credential file the worker will use.")
-@click.option("--port", type=int, default=5701, show_default=True, help="The port the worker will listen on.")
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="The port the worker will listen on.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The worker's --workdir (default: the temporary folder).")
 @click.option("--plan", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,

@@ -16,6 +16,7 @@ from edgert.cli import main
 from edgert.cli.keys import INSECURE_WARNING, default_listen, host_keys, worker_credentials
 from edgert.cli.params import CoapUrl, CoapUrlList, CodecSpec
 from edgert.errors import EdgertError
+from edgert.transport.coap_tcp import DEFAULT_PORT
 
 
 def _logging(level: str) -> None:
@@ -25,7 +26,7 @@ def _logging(level: str) -> None:
 
 @main.command("worker")
 @click.option("--listen", type=CoapUrl(), default=None,
-              help="URL to serve on (default coaps+tcp://0.0.0.0:5701, or coap+tcp://... with --insecure; "
+              help=f"URL to serve on (default coaps+tcp://0.0.0.0:{DEFAULT_PORT}, or coap+tcp://... with --insecure; "
                    "port 0 picks a free port). coap://... with a credential takes OSCORE requests from the "
                    "coordinator only.")
 @click.option("--credential", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -59,7 +60,7 @@ def worker_command(listen: str | None, credential: Path | None, insecure: bool, 
     name = _worker_name(name, tls)
     _check_listen(listen, tls is not None, udp=True)
     schedule = SlowdownSchedule.parse(slowdown_schedule or slowdown or "1")
-    config = WorkerConfig(listen=listen or default_listen(tls is not None, 5701), name=name, slowdown=schedule,
+    config = WorkerConfig(listen=listen or default_listen(tls is not None, DEFAULT_PORT), name=name, slowdown=schedule,
                           workdir=workdir, join=join, advertise=advertise, tls=tls,
                           providers=check_available(parse_providers(providers)))
     asyncio.run(_serve(Worker(config)))

@@ -27,6 +27,7 @@ from edgert.transport import Envelope, PeerUnreachable, TensorClient, encode_env
 from edgert.transport.errors import Forbidden, TooLarge, Unauthorized
 from edgert.transport.limits import MiB
 from edgert.transport.tls import OscoreRoot, read_oscore
+from tests.security.plans import mlp_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,10 +37,7 @@ FUZZ_REQUESTS = 10_000
 
 @pytest.fixture(scope="module")
 def plan3(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("secure")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=3, training=TrainingConfig()))
-    return folder / "plan"
+    return mlp_plan(tmp_path_factory.mktemp("secure"), 3)
 
 
 @pytest.fixture(scope="module")

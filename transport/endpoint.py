@@ -1,0 +1,191 @@
+"""One served path: the checks every request to it passes, from its head to its payload, then its handler.
+
+An :class:`Endpoint` belongs to a :class:`~edgert.transport.server.TensorServer`: method
+(4.05), role (4.03) and Content-Format (4.15) from the head (:meth:`Endpoint.check_head`,
+also used before a TCP payload is received), then size (4.13) and envelope (4.00), then the
+handler, whose exceptions become 5.00. Block1 uploads are reassembled linearly and capped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiocoap import Message, resource
+from aiocoap.blockwise import Block1Spool
+from aiocoap.numbers.codes import Code
+
+from edgert.transport import linkformat
+from edgert.transport.coap_tcp import LargeTcpConnection
+from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
+from edgert.transport.errors import (
+    BadRequest,
+    Forbidden,
+    InternalServerError,
+    MethodNotAllowed,
+    ResponseError,
+    TooLarge,
+    UnsupportedContentFormat,
+)
+from edgert.transport.message import TEXT, Request, Response
+from edgert.transport.oscore import OscoreAddress
+from edgert.transport.tls import PeerIdentity
+
+if TYPE_CHECKING:
+    from edgert.transport.server import TensorServer
+
+log = logging.getLogger("edgert.transport.server")
+
+HandlerResult = Response | Envelope | bytes | bytearray | str | None
+Handler = Callable[[Request], Awaitable[HandlerResult]]
+
+
+class CappedBlock1Spool(Block1Spool):
+    """aiocoap's Block1 reassembly, linear in time, refusing (4.13) transfers over the payload limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def feed_and_take(self, req: Message) -> Message:
+        block1 = req.opt.block1
+        if block1 is not None:
+            announced = req.opt.size1
+            if announced is not None and announced > self.limit:
+                raise TooLarge(f"announced payload of {announced} bytes exceeds {self.limit}", size1=self.limit)
+            if block1.start + len(req.payload) > self.limit:
+                raise TooLarge(f"blockwise payload exceeds {self.limit} bytes", size1=self.limit)
+            if block1.block_number == 0 and block1.more:
+                # aiocoap appends each block with `payload += block`: on bytes that is quadratic
+                req.payload = bytearray(req.payload)
+        return super().feed_and_take(req)
+
+
+class Endpoint(resource.Resource):
+    """One path: checks method, size, Content-Format and envelope, then calls the handler."""
+
+    def __init__(self, server: TensorServer, path: str, handlers: dict[str, Handler], *, rt: str | None,
+                 envelope: bool, kinds: tuple[str, ...] | None, title: str | None,
+                 roles: dict[str, tuple[str, ...]] | None) -> None:
+        super().__init__()
+        self.server = server
+        self.path = path.strip("/")
+        self.handlers = handlers
+        self.rt = rt
+        self.envelope = envelope
+        self.kinds = kinds
+        self.title = title
+        self.roles = roles
+        self._block1 = CappedBlock1Spool(server.limits.max_payload_bytes)
+
+    def link(self) -> linkformat.Link:
+        """This resource's link-format entry."""
+        attrs: list[tuple[str, str | None]] = []
+        if self.rt:
+            attrs.append(("rt", self.rt))
+        if self.envelope:
+            attrs.append(("ct", str(CONTENT_FORMAT)))
+        if isinstance(self, ObservableEndpoint):
+            attrs.append(("obs", None))
+        if self.title:
+            attrs.append(("title", self.title))
+        return linkformat.Link("/" + self.path, tuple(attrs))
+
+    async def render(self, message: Message) -> Message:
+        """Answer one (reassembled) request; never raises."""
+        method = Code(message.code)
+        try:
+            request = self._request(message, method)
+            result = await self.handlers[request.method](request)
+            return self._response(result, method)
+        except ResponseError as error:
+            log.info("%s /%s from %s: %s", method.name, self.path, peer_name(message), error)
+            return error.to_message()
+        except Exception as error:  # noqa: BLE001  (a handler bug must not kill the server)
+            log.exception("handler for %s /%s failed", method.name, self.path)
+            return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
+
+    def check_head(self, message: Message, method: Code) -> PeerIdentity | None:
+        """Method (4.05), role (4.03) and Content-Format (4.15) of a request; returns the peer's identity.
+
+        Needs no payload: TCP requests are checked this way before their payload is received.
+        """
+        if not method.is_request() or method.name not in self.handlers:
+            allowed = ", ".join(sorted(self.handlers))
+            raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
+                                   f"/{self.path} (allowed: {allowed})")
+        peer = identity_of(message.remote)
+        allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
+        if allowed is not None and peer.role not in allowed:
+            raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
+        content_format = message.opt.content_format
+        if self.envelope and content_format not in (None, CONTENT_FORMAT):
+            raise UnsupportedContentFormat(
+                f"/{self.path} takes Content-Format {CONTENT_FORMAT} (application/cbor envelope), "
+                f"got {int(content_format)}")
+        return peer
+
+    def _request(self, message: Message, method: Code) -> Request:
+        peer = self.check_head(message, method)
+        limits = self.server.limits
+        payload = message.payload
+        if len(payload) > limits.max_payload_bytes:
+            raise TooLarge(f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}",
+                           size1=limits.max_payload_bytes)
+        content_format = message.opt.content_format
+        request = Request(method=method.name, path=self.path, payload=payload,
+                          content_format=None if content_format is None else int(content_format),
+                          query=query_of(message), peer=peer_name(message), identity=peer)
+        if self.envelope:
+            if payload:
+                request.envelope = decode_envelope(payload, limits)
+                if self.kinds is not None and request.envelope.kind not in self.kinds:
+                    raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
+                                     f"got {request.envelope.kind!r}")
+            elif method.name in ("POST", "PUT", "FETCH"):
+                raise BadRequest(f"{method.name} /{self.path} needs an envelope payload")
+        return request
+
+    def _response(self, result: HandlerResult, method: Code) -> Message:
+        default = Code.CONTENT if method in (Code.GET, Code.FETCH) else (
+            Code.DELETED if method == Code.DELETE else Code.CHANGED)
+        if isinstance(result, Response):
+            return result.to_message()
+        if isinstance(result, Envelope):
+            message = Message(code=default, payload=encode_envelope(result))
+            message.opt.content_format = CONTENT_FORMAT
+            return message
+        if result is None:
+            return Message(code=default)
+        if isinstance(result, (bytes, bytearray, memoryview)):
+            return Message(code=default, payload=bytes(result) if isinstance(result, memoryview) else result)
+        if isinstance(result, str):
+            message = Message(code=default, payload=result.encode())
+            message.opt.content_format = TEXT
+            return message
+        raise TypeError(f"handler returned {type(result).__name__}; expected Response, Envelope, bytes, str or None")
+
+
+class ObservableEndpoint(Endpoint, resource.ObservableResource):
+    """An :class:`Endpoint` that accepts RFC 7641 observations on GET."""
+
+
+def identity_of(remote: Any) -> PeerIdentity | None:
+    """Who sent a request, as TLS or OSCORE authenticated it (None: nobody or plaintext)."""
+    return remote.peer if isinstance(remote, (LargeTcpConnection, OscoreAddress)) else None
+
+
+def query_of(message: Message) -> dict[str, str]:
+    result = {}
+    for item in message.opt.uri_query:
+        key, _, value = item.partition("=")
+        result[key] = value
+    return result
+
+
+def peer_name(message: Message) -> str:
+    try:
+        return message.remote.hostinfo
+    except Exception:  # noqa: BLE001  (only used for logs)
+        return "?"
