@@ -16,7 +16,7 @@ from edgert.assignment import assign, migrate
 from edgert.devices import save_devices
 from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
-from edgert.protocol import HEALTH, Health
+from edgert.protocol import HEALTH, Health, JoinRequest, read_request
 from edgert.transport import BadRequest, Request, TransportError
 
 
@@ -35,10 +35,7 @@ class ReplanMixin:
 
     async def _on_join(self, request: Request) -> str:
         """A worker offers itself (``edgert worker --join``): the planner decides at the next step boundary."""
-        meta = request.envelope.meta
-        url = meta.get("url")
-        if not isinstance(url, str):
-            raise BadRequest("POST /join needs meta.url, the worker's URL")
+        url = read_request(JoinRequest.from_envelope, request.envelope).url
         try:
             health = Health.from_envelope((await self.client.get(url, HEALTH, timeout=5.0)).envelope())
         except (TransportError, EdgertError) as error:
