@@ -22,6 +22,7 @@ from edgert.coordinator import TrainConfig
 from edgert.executor import StepReport
 from edgert.localcluster import LocalCluster
 from edgert.manifest import load_manifest
+from edgert.protocol import ProtocolError, StageReports, reports_to_envelope
 from edgert.transport import ClientConfig, TensorClient
 from tests.fuzz_bodies import BODY_KINDS, METHODS, broken, envelope_bytes, generic_body, misrouted
 from tests.running_coordinator import RunningCoordinator, final_parameters
@@ -159,3 +160,17 @@ def test_a_coordinator_answers_every_bad_request_with_a_4xx_and_trains_on(mlp_pl
     assert sorted(got) == sorted(expected) and expected
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_a_step_report_keeps_its_types_and_a_diverging_loss_is_still_recorded():
+    report = StepReport(step=4, stage=1, samples=16, loss_sum=float("nan"), correct=None, forward_ms=2.5,
+                        spans=[("F4.0", 0.25, 0.5)])
+    message = StageReports.from_envelope(reports_to_envelope("r", 1, "w1", [report]))
+    assert message.stage == 1 and message.worker == "w1" and message.failed is None
+    (got,) = message.reports
+    assert np.isnan(got.loss_sum) and (got.step, got.samples, got.correct, got.spans) == (4, 16, None,
+                                                                                           [("F4.0", 0.25, 0.5)])
+    bad = reports_to_envelope("r", 1, "w1", [report])
+    bad.meta["reports"][0]["samples"] = 16.0
+    with pytest.raises(ProtocolError, match="samples must be an integer >= 0, got 16.0"):
+        StageReports.from_envelope(bad)
