@@ -18,6 +18,7 @@ from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
 from edgert.protocol import HEALTH, Health, JoinRequest, read_request
 from edgert.transport import BadRequest, Request, TransportError
+from edgert.transport.errors import Forbidden
 
 
 class ReplanMixin:
@@ -40,6 +41,8 @@ class ReplanMixin:
             health = Health.from_envelope((await self.client.get(url, HEALTH, timeout=5.0)).envelope())
         except (TransportError, EdgertError) as error:
             raise BadRequest(f"{url} does not answer: {error}") from None
+        if request.identity is not None and request.identity.name != health.name:
+            raise Forbidden(f"{request.identity} may join only as itself, not as worker {health.name!r} at {url}")
         if url not in self.known:
             if self.replanner is not None and self.config.devices is None:
                 await self._profile_workers({url: health.name})

@@ -17,7 +17,7 @@ import pytest
 
 from edgert.coordinator import TrainConfig
 from edgert.localcluster import LocalCluster
-from edgert.protocol import REPLICA, REPORT
+from edgert.protocol import JOIN, REPLICA, REPORT, JoinRequest
 from edgert.recovery import CENTRAL_MAX_BYTES
 from edgert.transport import ClientConfig, Envelope, SyncClient, TensorClient
 from edgert.transport.limits import MiB
@@ -97,6 +97,7 @@ def test_over_tls_copies_and_reports_come_only_from_the_stages_worker(cluster, m
             "copy of stage 0 from w1": (cluster.workers[1], REPLICA, copy(run_id, 0, 3, 1024, "w0")),
             "copy of stage 0 from w3": (cluster.workers[3], REPLICA, copy(run_id, 0, 3, 1024, "w0")),
             "failure of stage 0 from w3": (cluster.workers[3], REPORT, report),
+            "join of w1 by w3": (cluster.workers[3], JOIN, JoinRequest(workers.urls[1], "w1").to_envelope()),
         }
 
         async def send(credential, path, envelope):
@@ -111,5 +112,6 @@ def test_over_tls_copies_and_reports_come_only_from_the_stages_worker(cluster, m
         assert answer.code.dotted == "4.03", (name, answer.code.dotted, answer.text)
     assert "a copy of stage 0 comes only from its worker 'w0', not" in answers["copy of stage 0 from w1"].text
     assert "a report of stage 0 comes only from its worker 'w0', not" in answers["failure of stage 0 from w3"].text
+    assert "worker 'w3' may join only as itself, not as worker 'w1'" in answers["join of w1 by w3"].text
     assert summary.steps == STEPS
     assert {h.origin for h in running.coordinator.central.holdings()} == {"w0", "w1", "w2"}
