@@ -17,7 +17,8 @@ Map of the package (the folder layout is the architecture):
   - ``worker*.py``        ``edgert worker``: resources, compute thread, state, measurement; what its inbox
                           takes (``worker_inputs.py``: which peer, which step, which shapes)
   - ``protocol.py``       the runtime's messages (docs/PROTOCOL.md, section 9), read by ``meta_fields.py``
-  - ``coordinator*.py``   ``edgert train``: run, re-plan, recover; ``ledger.py`` the step reports
+  - ``coordinator*.py``   ``edgert train``: run, re-plan, recover; what its resources take
+                          (``coordinator_inputs.py``: which run, stage, sender, step); ``ledger.py`` the step reports
   - ``assignment.py``     stages onto workers, state migration between workers
   - ``replica.py``, ``recovery.py``  copies for recovery; failure detection, snapshots
   - ``weights.py``        :class:`StageState`: a stage's state as one message / file

@@ -27,6 +27,7 @@ import numpy as np
 
 from edgert.assignment import AssignmentError, LinkSettings, assign, with_learning_rate
 from edgert.coordinator_evaluation import EvaluationMixin
+from edgert.coordinator_inputs import read_report
 from edgert.coordinator_recovery import RecoveryMixin
 from edgert.coordinator_replan import ReplanMixin
 from edgert.data import Batch, batches, load_training_data
@@ -47,7 +48,6 @@ from edgert.protocol import (
     Health,
     Segment,
     hold_envelope,
-    reports_from_envelope,
     truncate_envelope,
 )
 from edgert.recovery import CentralCopies, FailureWatch, WorkerFailure
@@ -144,6 +144,7 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         self._recheck_after_replan = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later
         self.order: list[str] = list(config.workers)  # worker URL of each stage
         self.names: list[str] = []
+        self._announced_through = -1  # the last step of the segments sent to the workers (copies come after)
         self.known: dict[str, str] = {}  # worker URL -> name
         self.log: RunLog | None = None
         self.ledger: StepLedger | None = None
@@ -349,6 +350,7 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         for batch in plan:
             self.ledger.expect(batch.step, batch.epoch, len(batch.indices))
         envelope = segment.to_envelope(self.run_id)
+        self._announced_through = max(self._announced_through, segment.last_step)
         await asyncio.gather(*(self.client.send(url, RUN, envelope) for url in self.order))
         ahead = config.lookahead + (stages if config.schedule == "async" else 0)
         in_flight: deque[int] = deque()
@@ -416,15 +418,12 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                                for url, tensors in messages))
 
     async def _on_report(self, request: Request) -> None:
-        envelope = request.envelope
-        if envelope.run_id != self.run_id or self.ledger is None:
+        message = read_report(request, self.run_id, self.names)
+        worker = message.worker if request.identity is None else request.identity.name
+        if message.failed is not None:
+            self.ledger.fail(f"stage {message.stage} ({worker or '?'}) failed: {message.failed}")
             return
-        if "failed" in envelope.meta:
-            self.ledger.fail(f"stage {envelope.stage} ({envelope.meta.get('worker', '?')}) failed: "
-                             f"{envelope.meta['failed']}")
-            return
-        reports, worker = reports_from_envelope(envelope)
-        for report in reports:
+        for report in message.reports:
             self.ledger.add(report, worker)
 
     def _show_step(self, record) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from edgert.assignment import assign
+from edgert.coordinator_inputs import central_copy_origin, read_copy_query
 from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
 from edgert.manifest import MANIFEST_NAME, Manifest
@@ -27,7 +28,8 @@ from edgert.recovery import (
     newest_snapshot,
     sources_for,
 )
-from edgert.transport import BadRequest, Envelope, Request, TransportError
+from edgert.replica import ReplicaStoreFull
+from edgert.transport import BadRequest, Envelope, Request, TooLarge, TransportError
 from edgert.weights import StageState
 
 MIN_DEADLINE_S = 1.0
@@ -40,26 +42,24 @@ class RecoveryMixin:
     # -- copies held by the coordinator ---------------------------------------------------------
 
     async def _on_replica(self, request: Request) -> None:
-        envelope = request.envelope
-        if envelope.run_id != self.run_id:
-            raise BadRequest(f"replica for run {envelope.run_id!r}; this is run {self.run_id!r}")
-        state = StageState.from_envelope(envelope)
+        """A worker's copy of its stage (edgert/coordinator_inputs.py says which are refused)."""
+        origin = central_copy_origin(request, self.run_id, self.names, self._announced_through, self.central.store)
+        state = StageState.from_envelope(request.envelope)
         manifest_text = json.dumps(self.manifest.to_json())
-        if self.central.put(state, str(envelope.meta.get("origin", request.peer)), len(self.manifest.stages),
-                            manifest_text, str(self.plan_dir.resolve())):
+        try:
+            complete = self.central.put(state, origin, len(self.manifest.stages), manifest_text,
+                                        str(self.plan_dir.resolve()))
+        except ReplicaStoreFull as error:
+            raise TooLarge(str(error)) from None
+        if complete:
             self.log.event("central_snapshot", step=state.step, stages=len(self.manifest.stages))
             self._snapshot_complete(state.step)
 
     async def _on_weights_fetch(self, request: Request) -> Envelope:
         """Copies as of a step, for workers taking over blocks during a recovery."""
-        if request.envelope.run_id != self.run_id:
-            raise BadRequest(f"copies of run {request.envelope.run_id!r} asked for; this is run {self.run_id!r}")
-        meta = request.envelope.meta
-        names, step = meta.get("names"), meta.get("copy_step")
-        if not isinstance(names, list) or not isinstance(step, int):
-            raise BadRequest("FETCH /weights needs meta.names and meta.copy_step")
+        query = read_copy_query(request.envelope, self.run_id)
         try:
-            return self.central.store.get(step, names).to_envelope(self.run_id)
+            return self.central.store.get(query.copy_step, list(query.names)).to_envelope(self.run_id)
         except EdgertError as error:
             raise BadRequest(str(error)) from None
 

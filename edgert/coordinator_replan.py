@@ -16,8 +16,9 @@ from edgert.assignment import assign, migrate
 from edgert.devices import save_devices
 from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
-from edgert.protocol import HEALTH, Health
+from edgert.protocol import HEALTH, Health, JoinRequest, read_request
 from edgert.transport import BadRequest, Request, TransportError
+from edgert.transport.errors import Forbidden
 
 
 class ReplanMixin:
@@ -35,14 +36,13 @@ class ReplanMixin:
 
     async def _on_join(self, request: Request) -> str:
         """A worker offers itself (``edgert worker --join``): the planner decides at the next step boundary."""
-        meta = request.envelope.meta
-        url = meta.get("url")
-        if not isinstance(url, str):
-            raise BadRequest("POST /join needs meta.url, the worker's URL")
+        url = read_request(JoinRequest.from_envelope, request.envelope).url
         try:
             health = Health.from_envelope((await self.client.get(url, HEALTH, timeout=5.0)).envelope())
         except (TransportError, EdgertError) as error:
             raise BadRequest(f"{url} does not answer: {error}") from None
+        if request.identity is not None and request.identity.name != health.name:
+            raise Forbidden(f"{request.identity} may join only as itself, not as worker {health.name!r} at {url}")
         if url not in self.known:
             if self.replanner is not None and self.config.devices is None:
                 await self._profile_workers({url: health.name})

@@ -35,6 +35,17 @@ def number(meta: dict, key: str, default: float) -> float:
     return float(value)
 
 
+def real(meta: dict, key: str, default: Any = REQUIRED, finite: bool = True) -> float:
+    """``meta[key]`` as a real number (an int or a float, not a bool), finite unless ``finite`` is False;
+    ``default`` when absent."""
+    if key not in meta and default is not REQUIRED:
+        return default
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (finite and not math.isfinite(value)):
+        raise ValueError(f"{key} must be a {'finite ' if finite else ''}number, got {value!r}")
+    return float(value)
+
+
 def text(meta: dict, key: str, default: Any = REQUIRED) -> str:
     value = meta[key] if default is REQUIRED else meta.get(key, default)
     if not isinstance(value, str):

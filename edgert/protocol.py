@@ -9,9 +9,11 @@ Worker resources: ``/health`` (GET, observable), ``/stage`` (PUT: take a stage),
 ``/run`` (POST: run a segment of steps under a schedule), ``/batch`` (POST: a step's
 inputs or labels from the coordinator), ``/act`` ``/grad`` (POST: tensors of a micro-batch
 from a neighbour), ``/weights`` (GET/PUT: state by name), ``/stop`` (POST: abandon the
-current run). Coordinator resource: ``/report`` (POST: step reports).
+current run). Coordinator resources: ``/report`` (POST: step reports, :class:`StageReports`),
+``/replica`` (PUT: central copies), ``/join`` (POST: :class:`JoinRequest`), ``/weights``
+(FETCH: :class:`WeightsQuery` with ``copy_step``).
 
-Each request body a worker takes is read into one of the dataclasses here by its
+Each request body a worker or the coordinator takes is read into one of the dataclasses here by its
 ``from_envelope`` (or :func:`stop_reason`), which raises :class:`ProtocolError` (a 4.00
 naming the field) for anything malformed; handlers only see typed messages.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,7 @@ from edgert.errors import EdgertError
 from edgert.executor import MicroBatch, StepReport, Window, split_batch
 from edgert.manifest import MEMORY_MODES, StageEntry, TrainingConfig, stage_from_json, stage_to_json
 from edgert.schedule import SCHEDULES
-from edgert.transport import Envelope, get_codec
+from edgert.transport import BadRequest, Envelope, get_codec
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
 MIGRATE, PROFILE, PROBE, ECHO, REPLICA, JOIN = "migrate", "profile", "probe", "echo", "replica", "join"
@@ -42,6 +45,14 @@ MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one wi
 
 class ProtocolError(EdgertError):
     """A message is well-formed CBOR but not what this resource expects."""
+
+
+def read_request(parse, envelope: Envelope):
+    """``parse(envelope)`` (a ``from_envelope``) in a handler: a malformed message is answered 4.00."""
+    try:
+        return parse(envelope)
+    except ProtocolError as error:
+        raise BadRequest(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -375,18 +386,76 @@ def reports_to_envelope(run_id: str, stage: int, worker: str, reports: list[Step
                     meta={"worker": worker, "reports": rows})
 
 
-def reports_from_envelope(envelope: Envelope) -> tuple[list[StepReport], str]:
-    meta = envelope.meta
-    worker = str(meta.get("worker", ""))
-    reports = []
-    try:
-        for row in meta.get("reports", []):
-            row = dict(row)
-            spans = [(str(n), float(s), float(d)) for n, s, d in row.pop("spans", [])]
-            reports.append(StepReport(**row, spans=spans))
-    except (TypeError, ValueError) as error:
-        raise ProtocolError(f"step report is malformed: {error}") from None
-    return reports, worker
+@dataclass(frozen=True)
+class StageReports:
+    """``POST /report`` (to the coordinator): what one stage did in some steps, or (``failed``) the error
+    that stopped it. ``worker`` is the name the sender gives (informative)."""
+
+    stage: int
+    worker: str
+    reports: tuple[StepReport, ...] = ()
+    failed: str | None = None
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope) -> StageReports:
+        meta = envelope.meta
+        try:
+            stage = fields.integer({"stage": envelope.stage}, "stage")
+            worker = fields.text(meta, "worker", "")
+            if "failed" in meta:
+                return cls(stage, worker, failed=fields.text(meta, "failed"))
+            return cls(stage, worker, tuple(_step_report(row, stage) for row in fields.listed(meta, "reports")))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"POST /report needs stage, meta.worker and meta.reports (a list of step reports) "
+                                f"or meta.failed (text): {fields.why(error)}") from None
+
+
+def _step_report(row: Any, stage: int) -> StepReport:
+    """One entry of ``meta.reports``: every field of :class:`StepReport` with its own type; the loss may be
+    NaN or infinite (a diverging run is reported, not refused)."""
+    if not isinstance(row, dict):
+        raise TypeError(f"a step report must be a map, got {type(row).__name__}")
+    known = {f.name: f for f in dataclass_fields(StepReport)}
+    unknown = set(row) - set(known)
+    if unknown:
+        raise ValueError(f"a step report has unknown field(s) {sorted(map(str, unknown))}")
+    if fields.integer(row, "stage") != stage:
+        raise ValueError(f"a step report of stage {row['stage']} in a message of stage {stage}")
+    values: dict[str, Any] = {}
+    for name, spec in known.items():
+        if isinstance(spec.default, float):
+            values[name] = fields.real(row, name, spec.default, finite=name != "loss_sum")
+        elif isinstance(spec.default, int):
+            values[name] = fields.integer(row, name, spec.default)
+    correct = None if row.get("correct") is None else fields.integer(row, "correct")
+    spans = [_span(span) for span in fields.listed(row, "spans", [])]
+    return StepReport(step=fields.integer(row, "step"), stage=stage, correct=correct, spans=spans, **values)
+
+
+def _span(span: Any) -> tuple[str, float, float]:
+    if not isinstance(span, list) or len(span) != 3:
+        raise TypeError(f"a span must be [name, start, seconds], got {span!r}")
+    timing = {"start": span[1], "seconds": span[2]}
+    return fields.text({"name": span[0]}, "name"), fields.real(timing, "start"), fields.real(timing, "seconds")
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """``POST /join`` (to the coordinator): a worker offers itself, reachable at ``url``."""
+
+    url: str
+    name: str = ""
+
+    def to_envelope(self) -> Envelope:
+        return Envelope(kind="control", meta={"url": self.url, "name": self.name})
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope) -> JoinRequest:
+        try:
+            return cls(fields.url(envelope.meta.get("url"), "meta.url"), fields.text(envelope.meta, "name", ""))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"POST /join needs meta.url, the worker's URL, and optionally meta.name (text): "
+                                f"{fields.why(error)}") from None
 
 
 def failure_envelope(run_id: str, stage: int, worker: str, message: str) -> Envelope:

@@ -30,6 +30,7 @@ from edgert.weights import StageState, load_state, save_state
 log = logging.getLogger("edgert.recovery")
 COORDINATOR = "coordinator"
 KEEP_SNAPSHOTS = 2
+CENTRAL_MAX_BYTES = 1 << 30  # the workers' copies the coordinator keeps in memory, every stage and version together
 
 
 class WorkerFailure(EdgertError):
@@ -148,10 +149,11 @@ class CentralCopies:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_peer_bytes=1 << 36)
+        self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_peer_bytes=CENTRAL_MAX_BYTES)
 
     def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "") -> bool:
-        """Keep a stage's copy; True when the step's snapshot became complete (every stage here)."""
+        """Keep a stage's copy; True when the step's snapshot became complete (every stage here). Raises
+        :class:`~edgert.replica.ReplicaStoreFull`, keeping nothing, beyond :data:`CENTRAL_MAX_BYTES`."""
         self.store.put(state, origin)
         step_dir = self._step_dir(state.step)
         save_state(state, step_dir / f"stage{state.stage}.cbor")

@@ -48,6 +48,7 @@ from edgert.protocol import (
     WEIGHTS,
     Health,
     Hold,
+    JoinRequest,
     ProtocolError,
     Segment,
     StageAssignment,
@@ -155,7 +156,7 @@ class Worker(InputResources, StateResources, MeasureResources):
 
     async def _announce(self, coordinator: str) -> None:
         """Tell a running coordinator this worker is available (``--join``)."""
-        message = Envelope(kind="control", meta={"url": self.url, "name": self.config.name})
+        message = JoinRequest(self.url, self.config.name).to_envelope()
         try:
             await self.client.post(coordinator, JOIN, message, timeout=10.0, retries=3)
         except TransportError as error:

@@ -15,7 +15,7 @@ import numpy as np
 from aiocoap.numbers.codes import Code
 
 from edgert.errors import EdgertError
-from edgert.protocol import SELF, WEIGHTS, MigrateRequest, MigrationSource, ProtocolError, WeightsQuery
+from edgert.protocol import SELF, WEIGHTS, MigrateRequest, MigrationSource, WeightsQuery, read_request
 from edgert.replica import ReplicaStoreFull, held_stages, holdings_to_meta
 from edgert.stage import StageSession
 from edgert.transport import BadRequest, Envelope, Request, ResponseError, TooLarge, TransportError
@@ -75,7 +75,7 @@ class StateResources:
         """Some of the state, by name (:class:`WeightsQuery`): from a copy, from the stage held before the
         latest assignment (what re-partitioning moves between workers), or from the current stage."""
         self._check_run(request.envelope)  # never another run's state
-        query = _read(WeightsQuery.from_envelope, request.envelope)
+        query = read_request(WeightsQuery.from_envelope, request.envelope)
         if query.copy_step is not None:
             try:
                 state = self.copies.get(query.copy_step, list(query.names))
@@ -93,7 +93,7 @@ class StateResources:
         """Fetch the named state from the workers that held it, check all of it, then load it into this stage."""
         session = self._require_session()
         self._check_run(request.envelope)
-        migration = _read(MigrateRequest.from_envelope, request.envelope)
+        migration = read_request(MigrateRequest.from_envelope, request.envelope)
         started = time.perf_counter()
         self._activity = "migrating"
         try:
@@ -119,14 +119,6 @@ class StateResources:
         response = await self.client.request("FETCH", source.url, WEIGHTS,
                                              source.query().to_envelope(self.assignment.run_id), timeout=120.0)
         return _subset(_stage_state(response.envelope(self.config.limits)), names)
-
-
-def _read(parse, envelope: Envelope):
-    """``parse(envelope)``, a malformed message answered 4.00."""
-    try:
-        return parse(envelope)
-    except ProtocolError as error:
-        raise BadRequest(str(error)) from None
 
 
 def _stage_state(envelope: Envelope) -> StageState:

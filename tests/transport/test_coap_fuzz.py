@@ -26,14 +26,13 @@ from edgert.manifest import TrainingConfig, load_manifest, needed_roles
 from edgert.models import build_model, save_model
 from edgert.protocol import Health, Peers, Segment, StageAssignment
 from edgert.transport import ClientConfig, Envelope, ResponseError, SyncClient, decode_envelope
+from tests import fuzz_bodies
+from tests.fuzz_bodies import BODY_KINDS, METHODS, broken, generic_body, misrouted, scalars
 
 pytestmark = pytest.mark.timeout(120)
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                       HealthCheck.too_slow], derandomize=True)
-
-scalars = (st.none() | st.booleans() | st.integers(-(2**64), 2**64 - 1) | st.floats() | st.text(max_size=12)
-           | st.binary(max_size=12))
 
 
 @st.composite
@@ -161,9 +160,6 @@ WORKER_ROUTES = {".well-known/core": ("GET",), "health": ("GET",), "stage": ("PU
 KIND_OF = {"stage": "stage", "run": "control", "batch": "batch", "weights": "weights", "migrate": "control",
            "replica": "weights", "profile": "stage", "probe": "control", "act": "activations",
            "grad": "gradients"}
-WRONG_VALUES = {int: [None, True, -1, 1.5, "x", b"\x00", [], {}], str: [None, 5, 1.5, b"\x00", [], {}],
-                list: [None, 5, "x", {}, [1, "a"], [None]], dict: [None, 5, "x", [], {"a": 1}],
-                bool: [None, 5, "x", [], {}], float: [None, True, -1, 0, "x", [], {}]}
 answers: collections.Counter = collections.Counter()  # (worker state, path, method, code) -> count
 
 
@@ -200,25 +196,8 @@ def worker(tmp_path_factory):
     fuzzed.close()
 
 
-def envelope_bytes(kind, run_id=RUN_ID, step=0, microbatch=0, stage=1, tensors=None, meta=None) -> bytes:
-    item = {"v": 1, "kind": kind, "run_id": run_id, "step": step, "microbatch": microbatch, "stage": stage,
-            "tensors": {name: cbor2.CBORTag(40, [list(a.shape), cbor2.CBORTag(85 if a.dtype == np.float32 else 64,
-                                                                               a.tobytes())])
-                        for name, a in (tensors or {}).items()}}
-    if meta is not None:
-        item["meta"] = meta
-    return cbor2.dumps(item)
-
-
-def broken(draw, template: dict, optional: tuple[str, ...] = ()) -> dict:
-    """``template`` with one required field deleted, or one field given a value of the wrong type or range."""
-    meta = dict(template)
-    key = draw(st.sampled_from(sorted(meta)))
-    if key not in optional and draw(st.booleans()):
-        del meta[key]
-    else:
-        meta[key] = draw(st.sampled_from(WRONG_VALUES[type(meta[key])]))
-    return meta
+def envelope_bytes(kind, run_id=RUN_ID, **fields) -> bytes:
+    return fuzz_bodies.envelope_bytes(kind, run_id, **fields)
 
 
 @st.composite
@@ -307,7 +286,7 @@ def right_kind_wrong_content(draw, worker, path):
         source = {"url": NOWHERE, "names": [p.name for p in entry.parameters], "previous": True, "copy_step": 3}
         meta = draw(st.sampled_from(["no sources", "not a list", "not a map", "source"]))
         meta = ({} if meta == "no sources" else {"sources": {"url": NOWHERE}} if meta == "not a list"
-                else {"sources": [draw(st.sampled_from(WRONG_VALUES[dict]))]} if meta == "not a map"
+                else {"sources": [draw(st.sampled_from(fuzz_bodies.WRONG_VALUES[dict]))]} if meta == "not a map"
                 else {"sources": [broken(draw, source, optional=("previous", "copy_step"))]})
         return envelope_bytes("control", meta=meta)
     if path == "replica":  # stage 1 keeps copies of stage 0 only, after steps of its segment only
@@ -327,13 +306,12 @@ def bad_requests(draw, worker):
     which = draw(st.sampled_from(["idle", "loaded", "loaded", "loaded"]))
     path = draw(st.sampled_from(sorted(WORKER_ROUTES)))
     allowed = WORKER_ROUTES[path]
-    method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE", "FETCH"]))
-    if method not in allowed or path in (".well-known/core", "echo"):
-        if path in (".well-known/core", "echo") and method in allowed:
-            method = draw(st.sampled_from([m for m in ("POST", "PUT", "DELETE", "FETCH") if m not in allowed]))
-        return which, path, method, draw(st.binary(max_size=40)), None
-    if method == "GET":
-        return which, path, method, draw(st.binary(min_size=1, max_size=60)), draw(st.sampled_from([None, 60, 0]))
+    if path in (".well-known/core", "echo"):  # they take any payload: only another method is wrong
+        return which, path, draw(st.sampled_from([m for m in METHODS if m not in allowed])), \
+            draw(st.binary(max_size=40)), None
+    method, payload, content_format = misrouted(draw, allowed)
+    if payload is not None:
+        return which, path, method, payload, content_format
     if path == "stop":
         body = draw(st.sampled_from(["utf8", "control", "long", "format"]))
         if body == "utf8":
@@ -343,25 +321,12 @@ def bad_requests(draw, worker):
         if body == "long":
             return which, path, method, b"a" * draw(st.integers(1025, 3000)), None
         return which, path, method, envelope_bytes("control"), 60
-    kind = draw(st.sampled_from(["none", "bytes", "cbor", "format", "kind", "run", "content", "content",
-                                 "content", "content"]))
-    if kind == "none":
-        return which, path, method, b"", None
-    if kind == "bytes":
-        return which, path, method, draw(st.binary(min_size=1, max_size=200)), None
-    if kind == "cbor":
-        return which, path, method, cbor2.dumps(draw(scalars | st.lists(scalars, max_size=4)
-                                                     | st.dictionaries(st.text(max_size=6), scalars, max_size=4))), None
-    if kind == "format":
-        return which, path, method, draw(st.binary(max_size=60)), draw(st.sampled_from([0, 50, 11542]))
-    if kind == "kind":
+    kind = draw(st.sampled_from(BODY_KINDS))
+    if kind == "run" and path not in ("run", "batch", "migrate", "replica", "act", "grad"):
+        kind = "content"
+    if kind != "content":
         own = "control" if (path, method) == ("weights", "FETCH") else KIND_OF[path]
-        other = draw(st.sampled_from([k for k in ("stage", "control", "batch", "weights", "activations",
-                                                    "gradients", "report", "health") if k != own]))
-        return which, path, method, envelope_bytes(other), None
-    if kind == "run" and path in ("run", "batch", "migrate", "replica", "act", "grad"):
-        run_id = draw(st.sampled_from(["", "other", "fuzz2"]))
-        return which, path, method, envelope_bytes(KIND_OF[path], run_id=run_id), None
+        return (which, path, method, *generic_body(draw, kind, own, RUN_ID))
     target = "fetch-weights" if (path, method) == ("weights", "FETCH") else path
     return which, path, method, draw(right_kind_wrong_content(worker, target)), None
 
@@ -383,7 +348,7 @@ def test_the_fuzzed_worker_is_untouched_and_every_route_was_tried(worker):
     assert total >= 2000, total
     assert not [k for k in answers if k[3] != "4"]
     tried = {(path, method) for _, path, method, _ in answers}
-    every = {(path, method) for path in WORKER_ROUTES for method in ("GET", "POST", "PUT", "DELETE", "FETCH")}
+    every = {(path, method) for path in WORKER_ROUTES for method in METHODS}
     assert every - tried == {(".well-known/core", "GET"), ("echo", "POST")}  # they take any payload
     health = Health.from_envelope(decode_envelope(worker.client.get(worker.loaded, "health").payload))
     assert (health.state, health.run_id, health.stage, health.step) == ("running", RUN_ID, 1, -1), health
