@@ -80,7 +80,7 @@ from edgert.worker_state import StateResources
 
 log = logging.getLogger("edgert.worker")
 MAX_PENDING_SENDS = 16
-REPORT_INTERVAL = 0.02  # seconds: step reports are sent together at most this often
+REPORT_INTERVAL = 0.02  # seconds: step reports are sent together at most this often, and before any wait
 KEPT_SEGMENTS = 8
 
 
@@ -279,7 +279,8 @@ class Worker(StateResources, MeasureResources):
         self._codecs = {"forward": get_codec(assignment.forward_codec),
                         "backward": get_codec(assignment.backward_codec)}
         self.executor = StageExecutor(session, assignment.entry.index, self.inbox, self._send_forward,
-                                      self._send_backward, self.config.slowdown, assignment.wait_timeout)
+                                      self._send_backward, self.config.slowdown, assignment.wait_timeout,
+                                      before_wait=self._flush_reports)
         self.health = Health(name=self.config.name, state="loaded", run_id=assignment.run_id,
                              stage=assignment.entry.index, slowdown=str(self.config.slowdown))
 
@@ -405,15 +406,15 @@ class Worker(StateResources, MeasureResources):
     def _compute_loop(self) -> None:
         while True:
             self._idle.set()
-            item = self._windows.get()
+            item = self._next_window()
             self._idle.clear()
             if item is None:
                 return
             window, ends_segment = item
             try:
                 self.executor.run_window(window, on_step=self._step_done)
-                if ends_segment or self._windows.empty():
-                    self._flush_reports()  # nothing else queued: the coordinator waits for these
+                if ends_segment:
+                    self._flush_reports()
                 if self._windows.empty():
                     self.health.state = "loaded"
             except InboxAborted as error:
@@ -426,6 +427,14 @@ class Worker(StateResources, MeasureResources):
                 self.executor.reset()
                 self._report(failure_envelope(self.assignment.run_id, self.assignment.entry.index,
                                               self.config.name, self.health.detail))
+
+    def _next_window(self) -> tuple[Window, bool] | None:
+        """The next window; the step reports gathered so far go out before waiting for one."""
+        try:
+            return self._windows.get_nowait()
+        except queue.Empty:
+            self._flush_reports()
+            return self._windows.get()
 
     def _step_done(self, report: StepReport) -> None:
         self.health.step = report.step
