@@ -12,12 +12,14 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +126,8 @@ class Worker(StateResources, MeasureResources):
         self._pending: collections.deque[tuple[concurrent.futures.Future, int, bool]] = collections.deque()
         self._generation = 0  # counts stage assignments; sends of older ones may fail quietly
         self._pending_lock = threading.Lock()
+        self._send_tasks: set[asyncio.Task] = set()  # the transport loop's side of the sends in flight
+        self._closing = False  # shutting down: nothing that fails from now on is the stage's failure
         self._idle = threading.Event()  # the compute thread waits for work (no window running)
         self._activity = ""  # overrides the executor's while replicating or migrating
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -166,13 +170,19 @@ class Worker(StateResources, MeasureResources):
         return url
 
     async def shutdown(self) -> None:
-        """Stop computing, stop serving, remove the work folder."""
-        self.inbox.abort("worker is shutting down")
-        if self.executor is not None:
-            self.executor.gate.open()
+        """Stop computing, end the sends in flight, stop serving, remove the work folder.
+
+        A worker told to stop has no failure to report: its peers may be stopping too, so a
+        send that fails now ends the window quietly, and every send task is awaited here
+        rather than left to fail after the loop is gone.
+        """
+        self._closing = True
+        await self._stop_run("worker is shutting down")
         self._windows.put(None)
+        self._forget_pending_sends()  # wakes a compute thread waiting for a send to finish
         if self._compute is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._compute.join, 10)
+        await self._end_sends()
         await self.server.shutdown()
         await self.client.close()
         if self._owns_workdir:
@@ -417,16 +427,22 @@ class Worker(StateResources, MeasureResources):
                     self._flush_reports()
                 if self._windows.empty():
                     self.health.state = "loaded"
-            except InboxAborted as error:
-                log.info("%s: window abandoned: %s", self.config.name, error)
+            except Exception as error:  # noqa: BLE001 - reported to the coordinator, not swallowed
                 self._unsent_reports.clear()
                 self.executor.reset()
-            except Exception as error:  # noqa: BLE001 - reported to the coordinator, not swallowed
-                log.exception("%s: stage failed", self.config.name)
-                self.health.state, self.health.detail = "failed", f"{type(error).__name__}: {error}"
-                self.executor.reset()
-                self._report(failure_envelope(self.assignment.run_id, self.assignment.entry.index,
-                                              self.config.name, self.health.detail))
+                if isinstance(error, InboxAborted) or self._closing:
+                    log.info("%s: window abandoned: %s", self.config.name, error)
+                else:
+                    self._fail_stage(error)
+
+    def _fail_stage(self, error: Exception) -> None:
+        """Tell the coordinator this stage failed (it recovers); sends still in flight are history now."""
+        log.exception("%s: stage failed", self.config.name)
+        self.health.state, self.health.detail = "failed", f"{type(error).__name__}: {error}"
+        with self._pending_lock:
+            self._generation += 1  # their failures, like the one that failed the stage, raise no more
+        self._report(failure_envelope(self.assignment.run_id, self.assignment.entry.index,
+                                      self.config.name, self.health.detail))
 
     def _next_window(self) -> tuple[Window, bool] | None:
         """The next window; the step reports gathered so far go out before waiting for one."""
@@ -501,6 +517,22 @@ class Worker(StateResources, MeasureResources):
                 future.cancel()
             self._pending.clear()
 
+    async def _end_sends(self) -> None:
+        """Cancel every send still in flight and wait until each has ended (shutting down)."""
+        tasks = list(self._send_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _tracked(self, send: Callable[[], Awaitable[object]]) -> object:
+        """Run ``send`` (a request) as a task :meth:`_end_sends` can find."""
+        task = asyncio.current_task()
+        self._send_tasks.add(task)
+        try:
+            return await send()
+        finally:
+            self._send_tasks.discard(task)
+
     def _submit(self, url: str, path: str, envelope: Envelope, codec, method: str = "POST",
                 fatal: bool = True) -> None:
         """Hand a send to the transport loop without waiting for it; surface earlier failures.
@@ -508,8 +540,11 @@ class Worker(StateResources, MeasureResources):
         A send from before the latest stage assignment (a recovery, a re-plan) may fail, e.g.
         towards a worker that died: that is history, not this stage's failure. Reports and
         replicas are not ``fatal``: if the coordinator is gone, the stage keeps its state and
-        waits to be told what to do (a resumed coordinator).
+        waits to be told what to do (a resumed coordinator). Once the worker is shutting down,
+        nothing more is sent.
         """
+        if self._closing:
+            return
         while True:
             with self._pending_lock:
                 if not self._pending or not (self._pending[0][0].done() or len(self._pending) >= MAX_PENDING_SENDS):
@@ -521,8 +556,8 @@ class Worker(StateResources, MeasureResources):
                 if must_arrive and generation == self._generation:
                     raise  # re-raises a failed send of this assignment in the compute thread
                 log.info("%s: a send failed: %s", self.config.name, error)
-        request = self.client.request(method, url, path, envelope, codec=codec)
-        future = asyncio.run_coroutine_threadsafe(request, self._loop)
+        send = functools.partial(self.client.request, method, url, path, envelope, codec=codec)
+        future = asyncio.run_coroutine_threadsafe(self._tracked(send), self._loop)
         with self._pending_lock:
             self._pending.append((future, self._generation, fatal))
 
