@@ -25,6 +25,7 @@ from edgert.weights import load_state
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 STEPS = 40
+STEPS2 = 80  # the 2-stage model's steps are short: more of them leave time to join and to kill
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,27 @@ def clean(plan4, tmp_path_factory):
     return summary, parameters(out)
 
 
+@pytest.fixture(scope="module")
+def plan2(tmp_path_factory):
+    """A small model in 2 stages: fewer stages than the workers of the tests with idle ones."""
+    folder = tmp_path_factory.mktemp("faults2")
+    save_model(build_model("mlp"), folder / "mlp.onnx")
+    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=2, training=TrainingConfig()))
+    return folder / "plan"
+
+
+@pytest.fixture(scope="module")
+def clean2(plan2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean2") / "run"
+    with LocalCluster(2) as cluster:
+        run(plan2, cluster.urls, out, steps=STEPS2)
+    return parameters(out)
+
+
 def run(plan, workers, out, **options):
     options = {"steps": STEPS, "epochs": 10, "replicate_every": 5, "central_every": 10, "schedule": "1f1b",
-               **options}
-    config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, listen="coap+tcp://127.0.0.1:0",
-                         progress=False, **options)
+               "listen": "coap+tcp://127.0.0.1:0", **options}
+    config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, progress=False, **options)
     return train(config)
 
 
@@ -169,19 +186,30 @@ def _free_port():
         return probe.getsockname()[1]
 
 
+def _train_process(plan, workers, out, steps=STEPS):
+    """``edgert train`` as a process (to be killed), with the options of :func:`run`."""
+    command = [sys.executable, "-m", "edgert", "train", str(plan), "--workers", ",".join(workers),
+               "--out", str(out), "--steps", str(steps), "--epochs", "10", "--replicate-every", "5",
+               "--central-every", "5", "--listen", "coap+tcp://127.0.0.1:0", "--insecure"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_for_step(out, step, process, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not [m for m in _metrics(out) if m["type"] == "step" and m["step"] >= step]:
+        assert process.poll() is None, "the coordinator ended before it could be killed"
+        assert time.monotonic() < deadline, f"step {step} was not reached within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
 def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
     """SIGKILL the coordinator mid-run; `edgert train --resume` finishes the job exactly."""
     _, clean_params = clean
     out = tmp_path / "run"
     with LocalCluster(4) as cluster:
-        command = [sys.executable, "-m", "edgert", "train", str(plan4), "--workers", ",".join(cluster.urls),
-                   "--out", str(out), "--steps", str(STEPS), "--epochs", "10", "--replicate-every", "5",
-                   "--central-every", "5", "--listen", "coap+tcp://127.0.0.1:0", "--insecure"]
-        coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        coordinator = _train_process(plan4, cluster.urls, out)
         try:
-            while not [m for m in _metrics(out) if m["type"] == "step" and m["step"] >= 17]:
-                assert coordinator.poll() is None, "the coordinator ended before it could be killed"
-                time.sleep(0.05)
+            _wait_for_step(out, 17, coordinator)
             coordinator.send_signal(signal.SIGKILL)
             coordinator.wait(10)
         finally:
@@ -192,3 +220,50 @@ def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
     events = [m for m in read_metrics(out) if m.get("event") == "resume"]
     assert len(events) == 1 and events[0]["snapshot_step"] >= 9
     assert relative_difference(parameters(out), clean_params) <= 1e-4
+
+
+def test_recovery_with_more_survivors_than_stages(plan2, clean2, tmp_path):
+    """Two slow workers join a 2-stage run and sit idle; a stage's worker dies: 3 survivors, 2 stages."""
+    out, port = tmp_path / "run", _free_port()
+    coordinator = f"coap+tcp://127.0.0.1:{port}"
+    idle = LocalCluster(2, names=["idle-0", "idle-1"], slowdowns=["40", "40"], extra_args=["--join", coordinator])
+
+    def joined(health, step):
+        if step >= 1 and not idle.processes:
+            idle.start()  # they announce themselves to the coordinator, which is listening by now
+        events = [m.get("event") for m in _metrics(out)]
+        return events.count("join") == 2 and step >= 3
+
+    with LocalCluster(2, slowdowns=["10", "10"]) as cluster:
+        try:
+            summary = kill_during(lambda: run(plan2, cluster.urls, out, listen=coordinator, steps=STEPS2),
+                                  cluster, out, [1], joined).result
+        finally:
+            idle.stop()
+    records = read_metrics(out)
+    first_recovery = next(k for k, m in enumerate(records) if m.get("event") == "recovery")
+    assert not [m for m in records[:first_recovery] if m.get("event") == "replan"], "the idle workers were used"
+    assert summary.steps == STEPS2 and summary.recoveries == 1
+    events = recoveries(out)
+    assert len(events) == 1 and set(events[0]["workers"]) <= {"local-0", "idle-0", "idle-1"}
+    assert relative_difference(parameters(out), clean2) <= 1e-4
+
+
+def test_resume_with_more_workers_than_the_snapshot_has_stages(plan2, clean2, tmp_path):
+    """The coordinator of a 2-stage run dies; `edgert train --resume` goes on with 4 workers."""
+    out = tmp_path / "run"
+    with LocalCluster(4, slowdowns=["8"] * 4) as cluster:
+        coordinator = _train_process(plan2, cluster.urls[:2], out, steps=STEPS2)
+        try:
+            _wait_for_step(out, 17, coordinator)
+            coordinator.send_signal(signal.SIGKILL)
+            coordinator.wait(10)
+        finally:
+            coordinator.kill()
+        resumed = subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(out),
+                                  "--workers", ",".join(cluster.urls), "--json"],
+                                 capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    events = [m for m in read_metrics(out) if m.get("event") == "resume"]
+    assert len(events) == 1 and events[0]["snapshot_step"] >= 9
+    assert relative_difference(parameters(out), clean2) <= 1e-4
