@@ -158,7 +158,7 @@ class RecoveryMixin:
         self._recoveries += 1
         self.manifest, self.plan_dir, self.order, self.names = manifest, folder, order, list(proposal.workers)
         self._evaluator = Evaluator(folder, manifest)
-        self._failed = set()
+        self._failed -= failed  # a worker that died meanwhile (an idle one, say) is recovered from next
         after = snapshot if snapshot is not None else -1
         from_snapshot = self.ledger.restart(self.names, after=after)
         resume = after + 1
