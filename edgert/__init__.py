@@ -14,7 +14,7 @@ Map of the package (the folder layout is the architecture):
   - ``schedule.py``       gpipe / 1f1b / async action lists, and ``simulate``
   - ``executor.py``       :class:`StageExecutor`: walks a stage's schedule on the compute thread
   - ``inbox.py``          tensors from the network, waited for by the compute thread
-  - ``worker*.py``        ``edgert worker``: resources, compute thread, state, measurement
+  - ``worker*.py``        ``edgert worker``: resources, compute thread, state, measurement, sends in flight
   - ``protocol.py``       the runtime's messages (docs/PROTOCOL.md, section 9)
   - ``coordinator*.py``   ``edgert train``: run, re-plan, recover; ``ledger.py`` the step reports
   - ``assignment.py``     stages onto workers, state migration between workers

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
-import functools
 import logging
 import queue
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,10 +75,10 @@ from edgert.transport.server import parse_url
 from edgert.transport.tls import COORDINATOR_ROLE, TlsCredentials
 from edgert.weights import StageState
 from edgert.worker_measure import MeasureResources
+from edgert.worker_sends import Outbox
 from edgert.worker_state import StateResources
 
 log = logging.getLogger("edgert.worker")
-MAX_PENDING_SENDS = 16
 REPORT_INTERVAL = 0.02  # seconds: step reports are sent together at most this often, and before any wait
 KEPT_SEGMENTS = 8
 
@@ -122,12 +119,7 @@ class Worker(StateResources, MeasureResources):
         self._segments: collections.deque[Segment] = collections.deque(maxlen=KEPT_SEGMENTS)
         self._unsent_reports: list[StepReport] = []
         self._last_report = 0.0
-        # in-flight sends: (future, assignment generation, whether its failure fails the stage)
-        self._pending: collections.deque[tuple[concurrent.futures.Future, int, bool]] = collections.deque()
-        self._generation = 0  # counts stage assignments; sends of older ones may fail quietly
-        self._pending_lock = threading.Lock()
-        self._send_tasks: set[asyncio.Task] = set()  # the transport loop's side of the sends in flight
-        self._closing = False  # shutting down: nothing that fails from now on is the stage's failure
+        self.outbox = Outbox(self.client, config.name)
         self._idle = threading.Event()  # the compute thread waits for work (no window running)
         self._activity = ""  # overrides the executor's while replicating or migrating
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -145,6 +137,7 @@ class Worker(StateResources, MeasureResources):
     async def start(self) -> str:
         """Bind the server and start the compute thread; returns the URL it listens on."""
         self._loop = asyncio.get_running_loop()
+        self.outbox.start(self._loop)
         await self.server.start()
         await self.client.start()
         self._compute = threading.Thread(target=self._compute_loop, name="edgert-compute", daemon=True)
@@ -176,13 +169,12 @@ class Worker(StateResources, MeasureResources):
         send that fails now ends the window quietly, and every send task is awaited here
         rather than left to fail after the loop is gone.
         """
-        self._closing = True
+        self.outbox.close()
         await self._stop_run("worker is shutting down")
         self._windows.put(None)
-        self._forget_pending_sends()  # wakes a compute thread waiting for a send to finish
         if self._compute is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._compute.join, 10)
-        await self._end_sends()
+        await self.outbox.wait_closed()
         await self.server.shutdown()
         await self.client.close()
         if self._owns_workdir:
@@ -281,9 +273,9 @@ class Worker(StateResources, MeasureResources):
             self._previous = None
         if self.assignment is None or self.assignment.run_id != assignment.run_id:
             self.copies.clear()
-        self._generation += 1
+        self.outbox.new_generation()
         self._unsent_reports = []
-        self._forget_pending_sends()
+        self.outbox.forget()
         self.inbox.reset()
         self.assignment, self.session = assignment, session
         self._codecs = {"forward": get_codec(assignment.forward_codec),
@@ -430,7 +422,7 @@ class Worker(StateResources, MeasureResources):
             except Exception as error:  # noqa: BLE001 - reported to the coordinator, not swallowed
                 self._unsent_reports.clear()
                 self.executor.reset()
-                if isinstance(error, InboxAborted) or self._closing:
+                if isinstance(error, InboxAborted) or self.outbox.closed:
                     log.info("%s: window abandoned: %s", self.config.name, error)
                 else:
                     self._fail_stage(error)
@@ -439,8 +431,7 @@ class Worker(StateResources, MeasureResources):
         """Tell the coordinator this stage failed (it recovers); sends still in flight are history now."""
         log.exception("%s: stage failed", self.config.name)
         self.health.state, self.health.detail = "failed", f"{type(error).__name__}: {error}"
-        with self._pending_lock:
-            self._generation += 1  # their failures, like the one that failed the stage, raise no more
+        self.outbox.new_generation()  # their failures, like the one that failed the stage, raise no more
         self._report(failure_envelope(self.assignment.run_id, self.assignment.entry.index,
                                       self.config.name, self.health.detail))
 
@@ -489,13 +480,13 @@ class Worker(StateResources, MeasureResources):
         if to_coordinator:
             targets.append(self.assignment.peers.coordinator)
         for target in targets:
-            self._submit(target, REPLICA, envelope, None, method="PUT", fatal=False)
+            self.outbox.submit(target, REPLICA, envelope, None, method="PUT", must_arrive=False)
         report.replication_ms += (time.perf_counter() - started) * 1000
         report.replicated_bytes += state.bytes * len(targets)
         self._activity = ""
 
     def _report(self, envelope: Envelope) -> None:
-        self._submit(self.assignment.peers.coordinator, REPORT, envelope, None, fatal=False)
+        self.outbox.submit(self.assignment.peers.coordinator, REPORT, envelope, None, must_arrive=False)
 
     def _send_forward(self, key: Key, tensors: dict[str, np.ndarray]) -> None:
         self._send_data(self.assignment.peers.next, ACT, key, tensors, +1, self._codecs["forward"])
@@ -508,58 +499,7 @@ class Worker(StateResources, MeasureResources):
             raise EdgertError(f"stage {self.assignment.entry.index} has no peer to send {path} to")
         envelope = Envelope(kind=DATA_KINDS[path], run_id=self.assignment.run_id, step=key[0], microbatch=key[1],
                             stage=self.assignment.entry.index + direction, tensors=tensors)
-        self._submit(url, path, envelope, codec)
-
-    def _forget_pending_sends(self) -> None:
-        """Cancel the sends of earlier assignments: their peers or coordinator may be gone for good."""
-        with self._pending_lock:
-            for future, _, _ in self._pending:
-                future.cancel()
-            self._pending.clear()
-
-    async def _end_sends(self) -> None:
-        """Cancel every send still in flight and wait until each has ended (shutting down)."""
-        tasks = list(self._send_tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _tracked(self, send: Callable[[], Awaitable[object]]) -> object:
-        """Run ``send`` (a request) as a task :meth:`_end_sends` can find."""
-        task = asyncio.current_task()
-        self._send_tasks.add(task)
-        try:
-            return await send()
-        finally:
-            self._send_tasks.discard(task)
-
-    def _submit(self, url: str, path: str, envelope: Envelope, codec, method: str = "POST",
-                fatal: bool = True) -> None:
-        """Hand a send to the transport loop without waiting for it; surface earlier failures.
-
-        A send from before the latest stage assignment (a recovery, a re-plan) may fail, e.g.
-        towards a worker that died: that is history, not this stage's failure. Reports and
-        replicas are not ``fatal``: if the coordinator is gone, the stage keeps its state and
-        waits to be told what to do (a resumed coordinator). Once the worker is shutting down,
-        nothing more is sent.
-        """
-        if self._closing:
-            return
-        while True:
-            with self._pending_lock:
-                if not self._pending or not (self._pending[0][0].done() or len(self._pending) >= MAX_PENDING_SENDS):
-                    break
-                future, generation, must_arrive = self._pending.popleft()
-            try:
-                future.result()
-            except Exception as error:  # noqa: BLE001 - cancelled or failed
-                if must_arrive and generation == self._generation:
-                    raise  # re-raises a failed send of this assignment in the compute thread
-                log.info("%s: a send failed: %s", self.config.name, error)
-        send = functools.partial(self.client.request, method, url, path, envelope, codec=codec)
-        future = asyncio.run_coroutine_threadsafe(self._tracked(send), self._loop)
-        with self._pending_lock:
-            self._pending.append((future, self._generation, fatal))
+        self.outbox.submit(url, path, envelope, codec)
 
 
 def _check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str) -> None:
