@@ -146,7 +146,8 @@ def test_async_schedule_survives_a_kill(plan4, tmp_path):
 
 def test_a_worker_joins_a_running_job(plan4, tmp_path):
     """Three slow workers train; a fast one joins; the planner puts it to work."""
-    with LocalCluster(4, slowdowns=["6", "6", "6", "6"]) as cluster:
+    # slow enough that a fast worker pays for its re-plan even when the host is busy (a 1 s pause)
+    with LocalCluster(4, slowdowns=["12", "12", "12", "12"]) as cluster:
         coordinator_port = _free_port()
         result = {}
         out = tmp_path / "run"
