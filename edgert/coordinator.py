@@ -32,6 +32,7 @@ from edgert.coordinator_replan import ReplanMixin
 from edgert.data import Batch, batches, load_training_data
 from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
+from edgert.inbox import DEFAULT_CAPACITY as INBOX_CAPACITY
 from edgert.ledger import StepLedger
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, Manifest, load_manifest
 from edgert.progress import Progress
@@ -52,7 +53,7 @@ from edgert.protocol import (
 )
 from edgert.recovery import CentralCopies, FailureWatch, WorkerFailure
 from edgert.runlog import RunLog
-from edgert.schedule import SCHEDULES
+from edgert.schedule import SCHEDULES, steps_ahead
 from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.server import parse_url
 from edgert.weights import StageState
@@ -359,7 +360,7 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
             self.ledger.expect(batch.step, batch.epoch, len(batch.indices))
         envelope = segment.to_envelope(self.run_id)
         await asyncio.gather(*(self.client.send(url, RUN, envelope) for url in self.order))
-        ahead = config.lookahead + (stages if config.schedule == "async" else 0)
+        ahead = steps_ahead(config.schedule, stages, config.micro_batches, config.lookahead, INBOX_CAPACITY)
         in_flight: deque[int] = deque()
         since_check = 0
 

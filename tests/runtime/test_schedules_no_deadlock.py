@@ -50,3 +50,12 @@ def test_run_reaches_its_last_step(plans, cluster, tmp_path, stages, schedule, m
     summary = train(config)
     assert summary.steps == STEPS
     assert sorted(m["step"] for m in read_metrics(out) if m["type"] == "step") == list(range(STEPS))
+
+
+def test_many_micro_batches_on_a_slow_stage(plans, tmp_path):
+    """32 micro-batches a step, 8 steps ahead, would be 512 messages for one stage's 256-message inbox:
+    the coordinator feeds only as many steps ahead as fit, instead of being refused (5.03) until it gives up."""
+    with LocalCluster(1, slowdowns=["100"]) as slow:
+        config = TrainConfig(plan_dir=plans[1], workers=tuple(slow.urls), out_dir=tmp_path / "run", steps=6,
+                             micro_batches=32, step_timeout=20.0, listen="coap+tcp://127.0.0.1:0", progress=False)
+        assert train(config).steps == 6
