@@ -208,15 +208,23 @@ def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
     _, clean_params = clean
     out = tmp_path / "run"
     with LocalCluster(4) as cluster:
-        coordinator = _train_process(plan4, cluster.urls, out)
-        try:
-            _wait_for_step(out, 17, coordinator)
-            coordinator.send_signal(signal.SIGKILL)
-            coordinator.wait(10)
-        finally:
-            coordinator.kill()
-        resumed = subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(out), "--json"],
-                                 capture_output=True, text=True, timeout=300)
+        resumed = _kill_and_resume(_train_process(plan4, cluster.urls, out), out)
+    _check_resumed(resumed, out, clean_params)
+
+
+def _kill_and_resume(coordinator: subprocess.Popen, out, *options) -> subprocess.CompletedProcess:
+    """SIGKILL ``coordinator`` once step 17 is recorded (snapshots every 5 steps), then `edgert train --resume`."""
+    try:
+        _wait_for_step(out, 17, coordinator)
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(10)
+    finally:
+        coordinator.kill()
+    return subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(out), *options, "--json"],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _check_resumed(resumed: subprocess.CompletedProcess, out, clean_params) -> None:
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     events = [m for m in read_metrics(out) if m.get("event") == "resume"]
     assert len(events) == 1 and events[0]["snapshot_step"] >= 9
@@ -255,16 +263,5 @@ def test_resume_with_more_workers_than_the_snapshot_has_stages(plan2, clean2, tm
     out = tmp_path / "run"
     with LocalCluster(4, slowdowns=["8"] * 4) as cluster:
         coordinator = _train_process(plan2, cluster.urls[:2], out, steps=STEPS2)
-        try:
-            _wait_for_step(out, 17, coordinator)
-            coordinator.send_signal(signal.SIGKILL)
-            coordinator.wait(10)
-        finally:
-            coordinator.kill()
-        resumed = subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(out),
-                                  "--workers", ",".join(cluster.urls), "--json"],
-                                 capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    events = [m for m in read_metrics(out) if m.get("event") == "resume"]
-    assert len(events) == 1 and events[0]["snapshot_step"] >= 9
-    assert relative_difference(parameters(out), clean2) <= 1e-4
+        resumed = _kill_and_resume(coordinator, out, "--workers", ",".join(cluster.urls))
+    _check_resumed(resumed, out, clean2)
