@@ -2,7 +2,8 @@
 coordinator too; ``edgert train --resume`` finishes the run, and the parameters are an
 undisturbed run's (docs/FAULTS.md: exact replay).
 
-One run of ``edgert train`` (a process) on 3 workers with 3 more that join at its start;
+One run of ``edgert train`` (a process) over coaps+tcp, the default, on 3 workers with 3 more
+that join at its start;
 then, at chosen steps: one random worker killed, two more killed within a second, the
 coordinator killed, ``--resume`` on the 3 workers left, one of them killed. Random choices
 come from a seeded generator; when they land depends on the host's speed, as in real life.
@@ -24,6 +25,7 @@ import pytest
 
 from edgert.coordinator import TrainConfig, train
 from edgert.exporter.export import ExportOptions, export_plan
+from edgert.exporter.keystore import local_cluster_keys
 from edgert.fault_injection import MetricsTail
 from edgert.localcluster import LocalCluster
 from edgert.models import build_model, save_model
@@ -48,10 +50,13 @@ def plan3(tmp_path_factory) -> Path:
 def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tmp_path):
     rng = random.Random(15)
     out = tmp_path / "run"
-    port = _free_port()
-    listen = f"coap+tcp://127.0.0.1:{port}"
-    first = LocalCluster(3, slowdowns=[SLOWDOWN] * 3, log_dir=tmp_path / "logs")
-    joiners = LocalCluster(3, names=[f"joiner-{k}" for k in range(3)], slowdowns=[SLOWDOWN] * 3,
+    listen = f"coaps+tcp://127.0.0.1:{_free_port()}"
+    names = [f"first-{k}" for k in range(3)], [f"joiner-{k}" for k in range(3)]
+    credentials = local_cluster_keys(tmp_path / "keys", names[0] + names[1])
+    keys = tmp_path / "keys" / "cluster"
+    first = LocalCluster(3, names=names[0], credentials=credentials[:3], slowdowns=[SLOWDOWN] * 3,
+                         log_dir=tmp_path / "logs")
+    joiners = LocalCluster(3, names=names[1], credentials=credentials[3:], slowdowns=[SLOWDOWN] * 3,
                            log_dir=tmp_path / "logs", extra_args=["--join", listen])
     alive: list[tuple[LocalCluster, int]] = []
     killed: list[str] = []  # URLs; every one must show in a recovery event
@@ -68,7 +73,7 @@ def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tm
     try:
         first.start()
         alive += [(first, k) for k in range(3)]
-        coordinator = _train(plan3, first.urls, out, listen)
+        coordinator = _train(plan3, first.urls, out, listen, keys)
         processes.append(coordinator)
         _wait(tail, lambda: tail.last_step >= 1, coordinator, "the first step")
         joiners.start()
@@ -119,10 +124,11 @@ def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tm
     assert not differ, f"parameters that differ from the undisturbed run's: {differ}"  # bit for bit
 
 
-def _train(plan: Path, workers: list[str], out: Path, listen: str) -> subprocess.Popen:
+def _train(plan: Path, workers: list[str], out: Path, listen: str, keys: Path) -> subprocess.Popen:
     options = [f"--{name.replace('_', '-')}={value}" for name, value in OPTIONS.items()]
     return subprocess.Popen([sys.executable, "-m", "edgert", "train", str(plan), "--workers", ",".join(workers),
-                             "--out", str(out), "--steps", str(STEPS), "--listen", listen, "--insecure", *options],
+                             "--out", str(out), "--steps", str(STEPS), "--listen", listen, "--keys", str(keys),
+                             *options],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
