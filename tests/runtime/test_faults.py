@@ -20,7 +20,9 @@ from edgert.fault_injection import run_and_kill as kill_during
 from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
+from edgert.protocol import JOIN
 from edgert.runlog import read_metrics
+from edgert.transport import Envelope, SyncClient
 from edgert.weights import load_state
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -235,20 +237,16 @@ def test_recovery_with_more_survivors_than_stages(plan2, clean2, tmp_path):
     """Two slow workers join a 2-stage run and sit idle; a stage's worker dies: 3 survivors, 2 stages."""
     out, port = tmp_path / "run", _free_port()
     coordinator = f"coap+tcp://127.0.0.1:{port}"
-    idle = LocalCluster(2, names=["idle-0", "idle-1"], slowdowns=["40", "40"], extra_args=["--join", coordinator])
+    with LocalCluster(2, slowdowns=["30", "30"]) as cluster, \
+            LocalCluster(2, names=["idle-0", "idle-1"], slowdowns=["60", "60"]) as idle, SyncClient.start() as client:
+        def joined(health, step):
+            if step >= 1 and not _metrics_events(out, "join"):
+                for url, name in zip(idle.urls, idle.names):  # what `edgert worker --join` posts
+                    client.post(coordinator, JOIN, Envelope("control", meta={"url": url, "name": name}), timeout=30)
+            return len(_metrics_events(out, "join")) == 2 and step >= 3
 
-    def joined(health, step):
-        if step >= 1 and not idle.processes:
-            idle.start()  # they announce themselves to the coordinator, which is listening by now
-        events = [m.get("event") for m in _metrics(out)]
-        return events.count("join") == 2 and step >= 3
-
-    with LocalCluster(2, slowdowns=["10", "10"]) as cluster:
-        try:
-            summary = kill_during(lambda: run(plan2, cluster.urls, out, listen=coordinator, steps=STEPS2),
-                                  cluster, out, [1], joined).result
-        finally:
-            idle.stop()
+        summary = kill_during(lambda: run(plan2, cluster.urls, out, listen=coordinator, steps=STEPS2),
+                              cluster, out, [1], joined).result
     records = read_metrics(out)
     first_recovery = next(k for k, m in enumerate(records) if m.get("event") == "recovery")
     assert not [m for m in records[:first_recovery] if m.get("event") == "replan"], "the idle workers were used"
@@ -256,6 +254,10 @@ def test_recovery_with_more_survivors_than_stages(plan2, clean2, tmp_path):
     events = recoveries(out)
     assert len(events) == 1 and set(events[0]["workers"]) <= {"local-0", "idle-0", "idle-1"}
     assert relative_difference(parameters(out), clean2) <= 1e-4
+
+
+def _metrics_events(out, name):
+    return [m for m in _metrics(out) if m.get("event") == name]
 
 
 def test_resume_with_more_workers_than_the_snapshot_has_stages(plan2, clean2, tmp_path):
