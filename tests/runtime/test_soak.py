@@ -34,7 +34,7 @@ from edgert.weights import load_state
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 150
-SLOWDOWN = "6"  # a few tens of ms per step, mostly asleep: the 2-core host keeps up with the chaos
+SLOWDOWN = "10"  # a few tens of ms per step, mostly asleep: the 2-core host keeps up with the chaos
 OPTIONS = {"replicate_every": 5, "central_every": 10, "epochs": 20}
 KILL_ONE_AT, KILL_TWO_AT, KILL_COORDINATOR_AT, KILL_AFTER_RESUME_AT = 25, 55, 85, 115
 
@@ -50,7 +50,8 @@ def plan3(tmp_path_factory) -> Path:
 def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tmp_path):
     rng = random.Random(15)
     out = tmp_path / "run"
-    listen = f"coaps+tcp://127.0.0.1:{_free_port()}"
+    port = _free_port()
+    listen = f"coaps+tcp://127.0.0.1:{port}"
     names = [f"first-{k}" for k in range(3)], [f"joiner-{k}" for k in range(3)]
     credentials = local_cluster_keys(tmp_path / "keys", names[0] + names[1])
     keys = tmp_path / "keys" / "cluster"
@@ -75,8 +76,8 @@ def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tm
         alive += [(first, k) for k in range(3)]
         coordinator = _train(plan3, first.urls, out, listen, keys)
         processes.append(coordinator)
-        _wait(tail, lambda: tail.last_step >= 1, coordinator, "the first step")
-        joiners.start()
+        _wait(tail, lambda: _listening(port), coordinator, "the coordinator to listen")
+        joiners.start()  # each announces itself (--join) as it starts
         alive += [(joiners, k) for k in range(3)]
         _wait(tail, lambda: _count(tail, "join") == 3, coordinator, "three joins")
 
@@ -141,6 +142,11 @@ def _wait(tail: MetricsTail, condition, process: subprocess.Popen, what: str, ti
         assert process.poll() is None, f"the coordinator ended (code {process.returncode}) before {what}"
         assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
         time.sleep(0.02)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _count(tail: MetricsTail, event: str) -> int:
