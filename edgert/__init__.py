@@ -14,8 +14,8 @@ Map of the package (the folder layout is the architecture):
   - ``schedule.py``       gpipe / 1f1b / async action lists, and ``simulate``
   - ``executor.py``       :class:`StageExecutor`: walks a stage's schedule on the compute thread
   - ``inbox.py``          tensors from the network, waited for by the compute thread
-  - ``worker*.py``        ``edgert worker``: resources, compute thread, state, measurement; what its inbox
-                          takes (``worker_inputs.py``: which peer, which step, which shapes)
+  - ``worker*.py``        ``edgert worker``: resources, compute thread, state, measurement, sends in flight
+                          (``worker_sends.py``); what its inbox takes (``worker_inputs.py``: which peer, step, shapes)
   - ``protocol.py``       the runtime's messages (docs/PROTOCOL.md, section 9), read by ``meta_fields.py``
   - ``coordinator*.py``   ``edgert train``: run, re-plan, recover; what its resources take
                           (``coordinator_inputs.py``: which run, stage, sender, step); ``ledger.py`` the step reports

@@ -33,6 +33,7 @@ from edgert.coordinator_replan import ReplanMixin
 from edgert.data import Batch, batches, load_training_data
 from edgert.errors import EdgertError, TrainingError
 from edgert.evaluation import Evaluator
+from edgert.inbox import DEFAULT_CAPACITY as INBOX_CAPACITY
 from edgert.ledger import HISTORY, StepLedger
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, Manifest, load_manifest
 from edgert.progress import Progress
@@ -53,7 +54,7 @@ from edgert.protocol import (
 from edgert.recovery import CentralCopies, FailureWatch, WorkerFailure
 from edgert.run_summary import RunSummary, count_events, summarise
 from edgert.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
-from edgert.schedule import SCHEDULES
+from edgert.schedule import SCHEDULES, steps_ahead
 from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.urls import parse_url
 from edgert.weights import StageState
@@ -352,7 +353,7 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         envelope = segment.to_envelope(self.run_id)
         self._announced_through = max(self._announced_through, segment.last_step)
         await asyncio.gather(*(self.client.send(url, RUN, envelope) for url in self.order))
-        ahead = config.lookahead + (stages if config.schedule == "async" else 0)
+        ahead = steps_ahead(config.schedule, stages, config.micro_batches, config.lookahead, INBOX_CAPACITY)
         in_flight: deque[int] = deque()
         since_check = 0
 

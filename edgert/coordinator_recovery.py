@@ -147,8 +147,8 @@ class RecoveryMixin:
         names = {p.name for stage in self.manifest.stages for p in stage.parameters}
         snapshot = newest_snapshot(holdings, names)  # None: no copy yet, start over from the initial state
         planned = time.monotonic()
-        workers = [self.known[u] for u in survivors]
-        proposal = self.replanner.propose(self.manifest, workers, force=True, candidates=workers)
+        workers = [self.known[u] for u in survivors]  # however many: idle ones that joined too
+        proposal = self.replanner.propose(self.manifest, None, force=True, candidates=workers)
         folder = self.config.out_dir / "plans" / f"recovery{self._recoveries + 1}"
         manifest = await asyncio.get_running_loop().run_in_executor(None, self.replanner.build,
                                                                     list(proposal.cuts), folder)
@@ -160,7 +160,7 @@ class RecoveryMixin:
         self._recoveries += 1
         self.manifest, self.plan_dir, self.order, self.names = manifest, folder, order, list(proposal.workers)
         self._evaluator = Evaluator(folder, manifest)
-        self._failed = set()
+        self._failed -= failed  # a worker that died meanwhile (an idle one, say) is recovered from next
         after = snapshot if snapshot is not None else -1
         from_snapshot = self.ledger.restart(self.names, after=after)
         resume = after + 1
@@ -188,7 +188,7 @@ class RecoveryMixin:
         plan_dir = Path(info.get("plan_dir", ""))
         workers = [self.known[url] for url in self.order]
         if len(workers) != len(manifest.stages) or not (plan_dir / MANIFEST_NAME).is_file():
-            proposal = self.replanner.propose(manifest, workers, force=True, candidates=workers)
+            proposal = self.replanner.propose(manifest, None, force=True, candidates=workers)
             plan_dir = self.config.out_dir / "plans" / f"resume-{step}"
             manifest = self.replanner.build(list(proposal.cuts), plan_dir)
             by_name = {name: url for url, name in self.known.items()}

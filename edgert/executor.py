@@ -6,7 +6,9 @@ next stage; ``B`` waits for the gradients (or, on the last stage, the labels), r
 backward and hands the input gradients to the previous stage; ``S`` steps the optimizer.
 The last stage's forward is folded into its backward. Under the ``async`` schedule the
 weights a micro-batch's forward used are stashed and restored for its backward (PipeDream).
-Everything it does is timed, per step, for the coordinator's metrics and trace.
+Everything it does is timed, per step, for the coordinator's metrics and trace. Before the
+compute thread waits for a tensor it calls ``before_wait`` (the worker sends the step reports
+it has gathered): what it waits for may be sent only once those reports arrive.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class StageExecutor:
 
     def __init__(self, session: StageSession, stage: int, inbox: Inbox, send_forward: Sender,
                  send_backward: Sender, slowdown: SlowdownSchedule = SlowdownSchedule(),
-                 wait_timeout: float | None = None):
+                 wait_timeout: float | None = None, before_wait: Callable[[], None] | None = None):
         self.session = session
         self.stage = stage
         self.inbox = inbox
@@ -102,6 +104,7 @@ class StageExecutor:
         self.slowdown = SlowdownEmulator(slowdown)
         self._warmed: set[int] = set()
         self.wait_timeout = wait_timeout
+        self._before_wait = before_wait
         # inputs (and, when stashing, saved activations) of each micro-batch until its backward
         self._held: dict[Key, tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
         self._stash: dict[int, np.ndarray] = {}  # weight version -> flat snapshot (async)
@@ -224,7 +227,10 @@ class StageExecutor:
     # -- bookkeeping -------------------------------------------------------------------------
 
     def _take(self, kind: str, batch: MicroBatch, report: StepReport):
-        value, waited = self.inbox.take((kind, batch.step, batch.index), self.wait_timeout)
+        key = (kind, batch.step, batch.index)
+        if self._before_wait is not None and not self.inbox.holds(key):
+            self._before_wait()
+        value, waited = self.inbox.take(key, self.wait_timeout)
         if waited > 1e-4:
             now = time.time()
             report.spans.append((f"wait {kind}", now - waited, waited))

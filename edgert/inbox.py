@@ -72,6 +72,11 @@ class Inbox:
             self._condition.notify_all()
             return True
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether ``key`` has arrived (a :meth:`take` of it would not wait)."""
+        with self._condition:
+            return key in self._items
+
     def take(self, key: Hashable, timeout: float | None = None) -> tuple[Any, float]:
         """Wait for ``key``, remove and return it with the seconds spent waiting."""
         start = time.perf_counter()

@@ -12,6 +12,7 @@
   flight and a micro-batch's backward sees weights at most that many steps old.
 
 Actions print compactly as in torch's pipelining (``F0``, ``B3``, ``S``) for logs and tests.
+:func:`steps_ahead` bounds how far ahead the coordinator feeds a pipeline.
 """
 
 from __future__ import annotations
@@ -62,6 +63,25 @@ def stage_actions(kind: str, stage: int, stages: int, microbatches: int) -> list
     for m in range(microbatches - warmup, microbatches):
         actions += [backward(m), *after_backward]
     return actions if kind == "async" else actions + [STEP]
+
+
+def steps_ahead(kind: str, stages: int, microbatches: int, lookahead: int, capacity: int) -> int:
+    """How many steps the coordinator may have sent and not yet seen completed.
+
+    ``lookahead`` (plus ``stages`` under ``async``, whose pipeline never drains), but no more
+    than the first and last stages' inboxes (``capacity`` messages each) hold: every step sent
+    leaves its micro-batches' inputs on the first stage and their labels on the last (both on
+    a single stage), beside what the neighbouring stage sends meanwhile (one step's
+    micro-batches; under ``async``, one per stage). At least 1.
+    """
+    _check(kind, 0, stages, microbatches)
+    per_step = 1 if kind == "async" else microbatches
+    wanted = lookahead + (stages if kind == "async" else 0)
+    if stages == 1:
+        fits = capacity // (2 * per_step)
+    else:
+        fits = (capacity - (stages if kind == "async" else per_step)) // per_step
+    return max(1, min(wanted, fits))
 
 
 def schedule_table(kind: str, stages: int, microbatches: int) -> list[list[str]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -81,11 +80,11 @@ from edgert.transport.urls import parse_url
 from edgert.weights import StageState
 from edgert.worker_inputs import InputResources
 from edgert.worker_measure import MeasureResources
+from edgert.worker_sends import Outbox
 from edgert.worker_state import StateResources
 
 log = logging.getLogger("edgert.worker")
-MAX_PENDING_SENDS = 16
-REPORT_INTERVAL = 0.02  # seconds: step reports are sent together at most this often
+REPORT_INTERVAL = 0.02  # seconds: step reports are sent together at most this often, and before any wait
 KEPT_SEGMENTS = 8
 
 
@@ -125,10 +124,7 @@ class Worker(InputResources, StateResources, MeasureResources):
         self._segments: collections.deque[Segment] = collections.deque(maxlen=KEPT_SEGMENTS)
         self._unsent_reports: list[StepReport] = []
         self._last_report = 0.0
-        # in-flight sends: (future, assignment generation, whether its failure fails the stage)
-        self._pending: collections.deque[tuple[concurrent.futures.Future, int, bool]] = collections.deque()
-        self._generation = 0  # counts stage assignments; sends of older ones may fail quietly
-        self._pending_lock = threading.Lock()
+        self.outbox = Outbox(self.client, config.name)
         self._idle = threading.Event()  # the compute thread waits for work (no window running)
         self._activity = ""  # overrides the executor's while replicating or migrating
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -146,6 +142,7 @@ class Worker(InputResources, StateResources, MeasureResources):
     async def start(self) -> str:
         """Bind the server and start the compute thread; returns the URL it listens on."""
         self._loop = asyncio.get_running_loop()
+        self.outbox.start(self._loop)
         await self.server.start()
         await self.client.start()
         self._compute = threading.Thread(target=self._compute_loop, name="edgert-compute", daemon=True)
@@ -171,13 +168,18 @@ class Worker(InputResources, StateResources, MeasureResources):
         return url
 
     async def shutdown(self) -> None:
-        """Stop computing, stop serving, remove the work folder."""
-        self.inbox.abort("worker is shutting down")
-        if self.executor is not None:
-            self.executor.gate.open()
+        """Stop computing, end the sends in flight, stop serving, remove the work folder.
+
+        A worker told to stop has no failure to report: its peers may be stopping too, so a
+        send that fails now ends the window quietly, and every send task is awaited here
+        rather than left to fail after the loop is gone.
+        """
+        self.outbox.close()
+        await self._stop_run("worker is shutting down")
         self._windows.put(None)
         if self._compute is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._compute.join, 10)
+        await self.outbox.wait_closed()
         await self.server.shutdown()
         await self.client.close()
         if self._owns_workdir:
@@ -280,15 +282,16 @@ class Worker(InputResources, StateResources, MeasureResources):
             self._previous = None
         if self.assignment is None or self.assignment.run_id != assignment.run_id:
             self.copies.clear()
-        self._generation += 1
+        self.outbox.new_generation()
         self._unsent_reports = []
-        self._forget_pending_sends()
+        self.outbox.forget()
         self.inbox.reset()
         self.assignment, self.session = assignment, session
         self._codecs = {"forward": get_codec(assignment.forward_codec),
                         "backward": get_codec(assignment.backward_codec)}
         self.executor = StageExecutor(session, assignment.entry.index, self.inbox, self._send_forward,
-                                      self._send_backward, self.config.slowdown, assignment.wait_timeout)
+                                      self._send_backward, self.config.slowdown, assignment.wait_timeout,
+                                      before_wait=self._flush_reports)
         self.health = Health(name=self.config.name, state="loaded", run_id=assignment.run_id,
                              stage=assignment.entry.index, slowdown=str(self.config.slowdown))
 
@@ -368,27 +371,40 @@ class Worker(InputResources, StateResources, MeasureResources):
     def _compute_loop(self) -> None:
         while True:
             self._idle.set()
-            item = self._windows.get()
+            item = self._next_window()
             self._idle.clear()
             if item is None:
                 return
             window, ends_segment = item
             try:
                 self.executor.run_window(window, on_step=self._step_done)
-                if ends_segment or self._windows.empty():
-                    self._flush_reports()  # nothing else queued: the coordinator waits for these
+                if ends_segment:
+                    self._flush_reports()
                 if self._windows.empty():
                     self.health.state = "loaded"
-            except InboxAborted as error:
-                log.info("%s: window abandoned: %s", self.config.name, error)
+            except Exception as error:  # noqa: BLE001 - reported to the coordinator, not swallowed
                 self._unsent_reports.clear()
                 self.executor.reset()
-            except Exception as error:  # noqa: BLE001 - reported to the coordinator, not swallowed
-                log.exception("%s: stage failed", self.config.name)
-                self.health.state, self.health.detail = "failed", f"{type(error).__name__}: {error}"
-                self.executor.reset()
-                self._report(failure_envelope(self.assignment.run_id, self.assignment.entry.index,
-                                              self.config.name, self.health.detail))
+                if isinstance(error, InboxAborted) or self.outbox.closed:
+                    log.info("%s: window abandoned: %s", self.config.name, error)
+                else:
+                    self._fail_stage(error)
+
+    def _fail_stage(self, error: Exception) -> None:
+        """Tell the coordinator this stage failed (it recovers); sends still in flight are history now."""
+        log.exception("%s: stage failed", self.config.name)
+        self.health.state, self.health.detail = "failed", f"{type(error).__name__}: {error}"
+        self.outbox.new_generation()  # their failures, like the one that failed the stage, raise no more
+        self._report(failure_envelope(self.assignment.run_id, self.assignment.entry.index,
+                                      self.config.name, self.health.detail))
+
+    def _next_window(self) -> tuple[Window, bool] | None:
+        """The next window; the step reports gathered so far go out before waiting for one."""
+        try:
+            return self._windows.get_nowait()
+        except queue.Empty:
+            self._flush_reports()
+            return self._windows.get()
 
     def _step_done(self, report: StepReport) -> None:
         self.health.step = report.step
@@ -427,13 +443,13 @@ class Worker(InputResources, StateResources, MeasureResources):
         if to_coordinator:
             targets.append(self.assignment.peers.coordinator)
         for target in targets:
-            self._submit(target, REPLICA, envelope, None, method="PUT", fatal=False)
+            self.outbox.submit(target, REPLICA, envelope, None, method="PUT", must_arrive=False)
         report.replication_ms += (time.perf_counter() - started) * 1000
         report.replicated_bytes += state.bytes * len(targets)
         self._activity = ""
 
     def _report(self, envelope: Envelope) -> None:
-        self._submit(self.assignment.peers.coordinator, REPORT, envelope, None, fatal=False)
+        self.outbox.submit(self.assignment.peers.coordinator, REPORT, envelope, None, must_arrive=False)
 
     def _send_forward(self, key: Key, tensors: dict[str, np.ndarray]) -> None:
         self._send_data(self.assignment.peers.next, ACT, key, tensors, +1, self._codecs["forward"])
@@ -446,39 +462,7 @@ class Worker(InputResources, StateResources, MeasureResources):
             raise EdgertError(f"stage {self.assignment.entry.index} has no peer to send {path} to")
         envelope = Envelope(kind=DATA_KINDS[path], run_id=self.assignment.run_id, step=key[0], microbatch=key[1],
                             stage=self.assignment.entry.index + direction, tensors=tensors)
-        self._submit(url, path, envelope, codec)
-
-    def _forget_pending_sends(self) -> None:
-        """Cancel the sends of earlier assignments: their peers or coordinator may be gone for good."""
-        with self._pending_lock:
-            for future, _, _ in self._pending:
-                future.cancel()
-            self._pending.clear()
-
-    def _submit(self, url: str, path: str, envelope: Envelope, codec, method: str = "POST",
-                fatal: bool = True) -> None:
-        """Hand a send to the transport loop without waiting for it; surface earlier failures.
-
-        A send from before the latest stage assignment (a recovery, a re-plan) may fail, e.g.
-        towards a worker that died: that is history, not this stage's failure. Reports and
-        replicas are not ``fatal``: if the coordinator is gone, the stage keeps its state and
-        waits to be told what to do (a resumed coordinator).
-        """
-        while True:
-            with self._pending_lock:
-                if not self._pending or not (self._pending[0][0].done() or len(self._pending) >= MAX_PENDING_SENDS):
-                    break
-                future, generation, must_arrive = self._pending.popleft()
-            try:
-                future.result()
-            except Exception as error:  # noqa: BLE001 - cancelled or failed
-                if must_arrive and generation == self._generation:
-                    raise  # re-raises a failed send of this assignment in the compute thread
-                log.info("%s: a send failed: %s", self.config.name, error)
-        request = self.client.request(method, url, path, envelope, codec=codec)
-        future = asyncio.run_coroutine_threadsafe(request, self._loop)
-        with self._pending_lock:
-            self._pending.append((future, self._generation, fatal))
+        self.outbox.submit(url, path, envelope, codec)
 
 
 def _no_payload(handler):

@@ -319,20 +319,19 @@ class Replanner:
 
     # -- deciding ------------------------------------------------------------------------------
 
-    def propose(self, manifest: Manifest, workers: list[str], force: bool = False,
+    def propose(self, manifest: Manifest, workers: list[str] | None, force: bool = False,
                 cuts: tuple[int, ...] | None = None, candidates: list[str] | None = None) -> Proposal | None:
         """A better placement, or None when the current one (``workers`` by stage) is good enough.
 
         The planner may order and use any of ``candidates`` (default: the current workers).
+        ``workers`` is None when no placement runs (a recovery, a resume); then ``candidates``,
+        however many, are required.
         """
-        from edgert.exporter.planner import PlanError, evaluate, plan
+        from edgert.exporter.planner import plan
 
-        pool = list(dict.fromkeys([*workers, *(candidates or [])]))
-        problem = self.problem(pool)
-        try:
-            current = self._step_ms(evaluate(problem, self._stages_of(manifest, workers)))
-        except PlanError:
-            current = float("inf")  # the current placement no longer fits (a worker left)
+        if workers is None and not candidates:
+            raise ValueError("propose needs candidates when there is no current placement")
+        current = self._current_ms(manifest, workers, candidates or [])
         if cuts is not None:
             return Proposal(tuple(cuts), tuple(workers), 1.0, current, current, "forced")
         placement = plan(self.problem(list(candidates or workers)))
@@ -340,7 +339,8 @@ class Replanner:
         new_workers = tuple(stage.devices[0] for stage in placement.stages)
         proposed = self._step_ms(placement)
         gain = current / proposed if proposed > 0 else 1.0
-        unchanged = list(new_cuts) == self.block_cuts(manifest) and list(new_workers) == list(workers)
+        unchanged = (workers is not None and list(new_cuts) == self.block_cuts(manifest)
+                     and list(new_workers) == list(workers))
         saved_s = (current - proposed) / 1000 * HORIZON_STEPS
         self.last_check = {"current_ms": round(current, 2), "proposed_ms": round(proposed, 2),
                            "proposed_cuts": list(new_cuts), "proposed_workers": list(new_workers)}
@@ -357,6 +357,19 @@ class Replanner:
                                          f"(x{gain:.2f}); pays back a {self._pause_s:.1f} s pause")
         self.last_check["decision"] = "re-plan"
         return Proposal(new_cuts, new_workers, gain, current, proposed, reason)
+
+    def _current_ms(self, manifest: Manifest, workers: list[str] | None, candidates: list[str]) -> float:
+        """The predicted step time of ``manifest``'s stages on ``workers``; infinite when no placement runs,
+        or when it no longer fits (a worker left)."""
+        from edgert.exporter.planner import PlanError, evaluate
+
+        if workers is None or len(workers) != len(manifest.stages):
+            return float("inf")
+        pool = list(dict.fromkeys([*workers, *candidates]))
+        try:
+            return self._step_ms(evaluate(self.problem(pool), self._stages_of(manifest, workers)))
+        except PlanError:
+            return float("inf")
 
     def _step_ms(self, placement) -> float:
         """Time per batch: the bottleneck under async (no flush), the simulated window otherwise."""

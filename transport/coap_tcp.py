@@ -216,6 +216,16 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         """Whether messages can still be sent on this connection."""
         return self._transport is not None and not self._transport.is_closing() and self._ctx is not None
 
+    async def release(self) -> None:
+        """Send Release (RFC 8323 section 5.5) unless the connection is closing already.
+
+        aiocoap releases every pooled connection on shutdown in tasks it never asks for a
+        result: a Release on a closing connection (a TLS peer that said goodbye) would fail
+        there, logged as "Task exception was never retrieved".
+        """
+        if self.is_open:
+            await super().release()
+
     async def request(self, message: Message, parts: Sequence[Buffer] | None = None) -> Message:
         """Fast path: send ``message`` (a request fitting the peer's Max-Message-Size) and await its response.
 
@@ -393,8 +403,19 @@ class LargeTCPClient(TCPClient):
         pending = self._connecting.get(key)
         if pending is None:
             pending = self._connecting[key] = asyncio.ensure_future(self._connect(host, port))
-            pending.add_done_callback(lambda _f, key=key: self._connecting.pop(key, None))
+            pending.add_done_callback(lambda done, key=key: self._connected(key, done))
         return await asyncio.shield(pending)
+
+    def _connected(self, key: tuple[str, int], attempt: asyncio.Future) -> None:
+        """A connection attempt ended: the next request tries afresh.
+
+        Each waiter sees a failure through its shield; when every waiter has given up (a
+        request timed out, a worker shut down) nobody would, and asyncio would log "Task
+        exception was never retrieved".
+        """
+        self._connecting.pop(key, None)
+        if not attempt.cancelled():
+            attempt.exception()
 
     async def _connect(self, host: str, port: int) -> LargeTcpConnection:
         try:

@@ -193,3 +193,15 @@ def test_saved_bytes_bound_what_a_stashing_stage_keeps(plan, tmp_path):
     actual = sum(array.nbytes for array in kept.values()) / rows
     assert problem.stash and actual > 0
     assert actual <= planned <= 4 * actual, (actual, planned)  # an upper bound (2x on mlp-deep), not a wild one
+
+
+def test_a_placement_for_more_workers_than_the_plan_has_stages(plan, devices_json, tmp_path):
+    """A recovery or a resume with idle workers: every survivor is a candidate, none is a current stage."""
+    manifest = load_manifest(plan)  # 2 stages
+    replanner = Replanner(plan, manifest, tmp_path, devices=devices_json, batch_size=64, micro_batches=4)
+    survivors = ["a", "b", "c", "d"]
+    proposal = replanner.propose(manifest, None, force=True, candidates=survivors)
+    assert proposal is not None and proposal.current_ms == float("inf")
+    assert set(proposal.workers) <= set(survivors) and len(proposal.cuts) == len(proposal.workers) - 1
+    # the current workers given as a placement that no longer matches the plan cost nothing and crash nothing
+    assert replanner.propose(manifest, survivors, force=True, candidates=survivors) is not None

@@ -21,7 +21,7 @@ from edgert.fault_injection import run_and_kill as kill_during
 from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
-from edgert.protocol import WEIGHTS
+from edgert.protocol import JOIN, WEIGHTS
 from edgert.recovery import gather_holdings
 from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, SyncClient
@@ -29,6 +29,7 @@ from edgert.weights import load_state
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 STEPS = 40
+STEPS2 = 80  # the 2-stage model's steps are short: more of them leave time to join and to kill
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +50,28 @@ def clean(plan4, tmp_path_factory):
     return summary, parameters(out)
 
 
+@pytest.fixture(scope="module")
+def plan2(tmp_path_factory):
+    """A small model in 2 stages: fewer stages than the workers of the tests with idle ones."""
+    folder = tmp_path_factory.mktemp("faults2")
+    save_model(build_model("mlp"), folder / "mlp.onnx")
+    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=2, training=TrainingConfig()))
+    return folder / "plan"
+
+
+@pytest.fixture(scope="module")
+def clean2(plan2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean2") / "run"
+    with LocalCluster(2) as cluster:
+        run(plan2, cluster.urls, out, steps=STEPS2)
+    return parameters(out)
+
+
 def run(plan, workers, out, **options):
     options = {"steps": STEPS, "epochs": 10, "replicate_every": 5, "central_every": 10, "schedule": "1f1b",
-               **options}
+               "listen": "coap+tcp://127.0.0.1:0", **options}
     options.setdefault("progress", False)
-    config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, listen="coap+tcp://127.0.0.1:0",
-                         **options)
+    config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, **options)
     return train(config)
 
 
@@ -190,7 +207,8 @@ def read_run_id(out):
 
 def test_a_worker_joins_a_running_job(plan4, tmp_path):
     """Three slow workers train; a fast one joins; the planner puts it to work."""
-    with LocalCluster(4, slowdowns=["6", "6", "6", "6"]) as cluster:
+    # slow enough that a fast worker pays for its re-plan even when the host is busy (a 1 s pause)
+    with LocalCluster(4, slowdowns=["12", "12", "12", "12"]) as cluster:
         coordinator_port = _free_port()
         result = {}
         out = tmp_path / "run"
@@ -230,32 +248,31 @@ def _free_port():
         return probe.getsockname()[1]
 
 
+def _train_process(plan, workers, out, steps=STEPS):
+    """``edgert train`` as a process (to be killed), with the options of :func:`run`."""
+    command = [sys.executable, "-m", "edgert", "train", str(plan), "--workers", ",".join(workers),
+               "--out", str(out), "--steps", str(steps), "--epochs", "10", "--replicate-every", "5",
+               "--central-every", "5", "--listen", "coap+tcp://127.0.0.1:0", "--insecure"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_for_step(out, step, process, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not [m for m in _metrics(out) if m["type"] == "step" and m["step"] >= step]:
+        assert process.poll() is None, "the coordinator ended before it could be killed"
+        assert time.monotonic() < deadline, f"step {step} was not reached within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
 def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
     """SIGKILL the coordinator mid-run; `edgert train --resume` finishes the job exactly."""
     _, clean_params = clean
     out = tmp_path / "run"
     with LocalCluster(4) as cluster:
-        command = [sys.executable, "-m", "edgert", "train", str(plan4), "--workers", ",".join(cluster.urls),
-                   "--out", str(out), "--steps", str(STEPS), "--epochs", "10", "--replicate-every", "5",
-                   "--central-every", "5", "--listen", "coap+tcp://127.0.0.1:0", "--insecure"]
-        coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            while not [m for m in _metrics(out) if m["type"] == "step" and m["step"] >= 17]:
-                assert coordinator.poll() is None, "the coordinator ended before it could be killed"
-                time.sleep(0.05)
-            coordinator.send_signal(signal.SIGKILL)
-            coordinator.wait(10)
-        finally:
-            coordinator.kill()
         moved = tmp_path / "moved"  # C2: the folder given to --resume is the run folder
-        out.rename(moved)
-        resumed = subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(moved), "--json"],
-                                 capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+        resumed = _kill_and_resume(_train_process(plan4, cluster.urls, out), out, moved=moved)
+    _check_resumed(resumed, moved, clean_params)
     assert not out.exists()
-    events = [m for m in read_metrics(moved) if m.get("event") == "resume"]
-    assert len(events) == 1 and events[0]["snapshot_step"] >= 9
-    assert relative_difference(parameters(moved), clean_params) <= 1e-4
     # item 5: each step read once; C4: the summary covers both processes
     written = read_metrics(moved, superseded=True)
     resumed_at = next(k for k, m in enumerate(written) if m.get("event") == "resume")
@@ -271,3 +288,61 @@ def test_coordinator_restart_resumes_from_its_snapshot(plan4, clean, tmp_path):
     trace = json.loads((moved / "trace.json").read_text())
     spans = {e["name"] for e in trace if e.get("ph") == "X"}
     assert {"F0.0", f"F{STEPS - 1}.0"} <= spans
+
+
+def _kill_and_resume(coordinator: subprocess.Popen, out, *options, moved=None) -> subprocess.CompletedProcess:
+    """SIGKILL ``coordinator`` once step 17 is recorded (snapshots every 5 steps), then `edgert train --resume`
+    (of the run folder moved to ``moved`` first, if given)."""
+    try:
+        _wait_for_step(out, 17, coordinator)
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(10)
+    finally:
+        coordinator.kill()
+    if moved is not None:
+        out.rename(moved)
+    return subprocess.run([sys.executable, "-m", "edgert", "train", "--resume", str(moved or out), *options, "--json"],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _check_resumed(resumed: subprocess.CompletedProcess, out, clean_params) -> None:
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    events = [m for m in read_metrics(out) if m.get("event") == "resume"]
+    assert len(events) == 1 and events[0]["snapshot_step"] >= 9
+    assert relative_difference(parameters(out), clean_params) <= 1e-4
+
+
+def test_recovery_with_more_survivors_than_stages(plan2, clean2, tmp_path):
+    """Two slow workers join a 2-stage run and sit idle; a stage's worker dies: 3 survivors, 2 stages."""
+    out, port = tmp_path / "run", _free_port()
+    coordinator = f"coap+tcp://127.0.0.1:{port}"
+    with LocalCluster(2, slowdowns=["30", "30"]) as cluster, \
+            LocalCluster(2, names=["idle-0", "idle-1"], slowdowns=["60", "60"]) as idle, SyncClient.start() as client:
+        def joined(health, step):
+            if step >= 1 and not _metrics_events(out, "join"):
+                for url, name in zip(idle.urls, idle.names):  # what `edgert worker --join` posts
+                    client.post(coordinator, JOIN, Envelope("control", meta={"url": url, "name": name}), timeout=30)
+            return len(_metrics_events(out, "join")) == 2 and step >= 3
+
+        summary = kill_during(lambda: run(plan2, cluster.urls, out, listen=coordinator, steps=STEPS2),
+                              cluster, out, [1], joined).result
+    records = read_metrics(out)
+    first_recovery = next(k for k, m in enumerate(records) if m.get("event") == "recovery")
+    assert not [m for m in records[:first_recovery] if m.get("event") == "replan"], "the idle workers were used"
+    assert summary.steps == STEPS2 and summary.recoveries == 1
+    events = recoveries(out)
+    assert len(events) == 1 and set(events[0]["workers"]) <= {"local-0", "idle-0", "idle-1"}
+    assert relative_difference(parameters(out), clean2) <= 1e-4
+
+
+def _metrics_events(out, name):
+    return [m for m in _metrics(out) if m.get("event") == name]
+
+
+def test_resume_with_more_workers_than_the_snapshot_has_stages(plan2, clean2, tmp_path):
+    """The coordinator of a 2-stage run dies; `edgert train --resume` goes on with 4 workers."""
+    out = tmp_path / "run"
+    with LocalCluster(4, slowdowns=["8"] * 4) as cluster:
+        coordinator = _train_process(plan2, cluster.urls[:2], out, steps=STEPS2)
+        resumed = _kill_and_resume(coordinator, out, "--workers", ",".join(cluster.urls))
+    _check_resumed(resumed, out, clean2)

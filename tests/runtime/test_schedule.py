@@ -3,7 +3,7 @@
 import pytest
 
 from edgert.errors import EdgertError
-from edgert.schedule import max_in_flight, schedule_table, simulate, stage_actions
+from edgert.schedule import max_in_flight, schedule_table, simulate, stage_actions, steps_ahead
 
 
 def test_gpipe_table():
@@ -79,3 +79,17 @@ def test_bad_arguments():
         stage_actions("1f1b", 3, 2, 2)
     with pytest.raises(EdgertError, match="micro-batches must be at least 1"):
         stage_actions("gpipe", 0, 2, 0)
+
+
+def test_the_coordinator_feeds_no_more_steps_than_the_inboxes_hold():
+    # (schedule, stages, micro-batches) -> steps ahead, for a lookahead of 8 and 256-message inboxes
+    ahead = {(kind, stages, m): steps_ahead(kind, stages, m, lookahead=8, capacity=256)
+             for kind in ("gpipe", "1f1b") for stages in (1, 4) for m in (1, 8, 16, 32, 64)}
+    assert ahead == {
+        ("gpipe", 1, 1): 8, ("gpipe", 1, 8): 8, ("gpipe", 1, 16): 8, ("gpipe", 1, 32): 4, ("gpipe", 1, 64): 2,
+        ("gpipe", 4, 1): 8, ("gpipe", 4, 8): 8, ("gpipe", 4, 16): 8, ("gpipe", 4, 32): 7, ("gpipe", 4, 64): 3,
+        ("1f1b", 1, 1): 8, ("1f1b", 1, 8): 8, ("1f1b", 1, 16): 8, ("1f1b", 1, 32): 4, ("1f1b", 1, 64): 2,
+        ("1f1b", 4, 1): 8, ("1f1b", 4, 8): 8, ("1f1b", 4, 16): 8, ("1f1b", 4, 32): 7, ("1f1b", 4, 64): 3,
+    }
+    assert steps_ahead("async", 4, 64, lookahead=8, capacity=256) == 12  # one micro-batch a step, never drained
+    assert steps_ahead("1f1b", 1, 64, lookahead=8, capacity=64) == 1  # at least one step, whatever the inbox
