@@ -22,6 +22,7 @@ from edgert.recovery import CENTRAL_MAX_BYTES
 from edgert.transport import ClientConfig, Envelope, SyncClient, TensorClient
 from edgert.transport.limits import MiB
 from edgert.weights import StageState
+from tests.resident_memory import resident_bytes
 from tests.running_coordinator import RunningCoordinator
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,11 +42,6 @@ def copy(run_id: str, stage: int, step: int, size: int, origin: str) -> Envelope
                     meta={"origin": origin})
 
 
-def rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def kept_bytes(running: RunningCoordinator) -> int:
@@ -59,10 +55,10 @@ def test_a_flood_of_copies_of_stages_the_plan_lacks_is_refused_and_kept_nowhere(
         with SyncClient.start(ClientConfig(timeout=60.0, retries=0)) as client:
             client.request("PUT", url, REPLICA, copy(running.run_id, 99, 3, 8 * MiB, "warm-up"),
                            raise_for_status=False)
-            before = rss()
+            before = resident_bytes()
             answers = [client.request("PUT", url, REPLICA, copy(running.run_id, 100 + i, 3, 8 * MiB, f"evil-{i}"),
                                       raise_for_status=False) for i in range(40)]
-            grown, strays = rss() - before, [h for h in running.coordinator.central.holdings()
+            grown, strays = resident_bytes() - before, [h for h in running.coordinator.central.holdings()
                                              if h.stage > 2 or h.origin.startswith("evil")]
             late = client.request("PUT", url, REPLICA, copy(running.run_id, 0, 10**6, 1024, "x"),
                                   raise_for_status=False)

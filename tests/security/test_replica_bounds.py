@@ -22,6 +22,7 @@ from edgert.replica import SELF_ORIGIN, CopyStore, ReplicaStoreFull, holdings_fr
 from edgert.transport import ClientConfig, Envelope, SyncClient
 from edgert.transport.limits import MiB
 from edgert.weights import StageState
+from tests.resident_memory import resident_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,11 +47,6 @@ def copy(stage: int, step: int, size: int, origin: str) -> Envelope:
                     meta={"origin": origin})
 
 
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def holdings(client, url):
@@ -65,11 +61,11 @@ def test_forty_8_mib_copies_of_strangers_stages_are_refused_and_take_no_memory(m
         warm = client.request("PUT", url, REPLICA, copy(99, 3, 8 * MiB, "warm-up"), raise_for_status=False)
         assert warm.code.dotted == "4.03"
         time.sleep(0.5)
-        before = rss(pid)
+        before = resident_bytes(pid)
         answers = [client.request("PUT", url, REPLICA, copy(100 + i, 3, 8 * MiB, f"evil-{i}"), raise_for_status=False)
                    for i in range(40)]
         time.sleep(0.5)
-        grown = rss(pid) - before
+        grown = resident_bytes(pid) - before
         assert {a.code.dotted for a in answers} == {"4.03"}
         assert answers[0].text == "stage 1 keeps copies of stage(s) [0] of 3, not of stage 100"
         assert grown < 16 * MiB, f"worker RSS grew by {grown / MiB:.1f} MiB"

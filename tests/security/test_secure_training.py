@@ -27,6 +27,7 @@ from edgert.transport import Envelope, PeerUnreachable, TensorClient, encode_env
 from edgert.transport.errors import Forbidden, TooLarge, Unauthorized
 from edgert.transport.limits import MiB
 from edgert.transport.tls import OscoreRoot, read_oscore
+from tests.resident_memory import resident_bytes
 from tests.security.plans import mlp_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -153,11 +154,6 @@ def test_no_credential_reaches_logs_metrics_or_traces(trained, cluster):
         assert not any(secret in data.replace(b"\n", b"") for secret in secrets), path
 
 
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def test_ten_thousand_hostile_requests_change_nothing(trained, cluster):
@@ -170,7 +166,7 @@ def test_ten_thousand_hostile_requests_change_nothing(trained, cluster):
         async with TensorClient(tls=cluster.coordinator) as boss:
             before = (await boss.get(url, "weights")).envelope()
             health = (await boss.get(url, "health")).envelope().meta
-            rss_before = _rss_kib(process.pid)
+            rss_before = resident_bytes(process.pid)
             codes: dict[str, int] = {}
             rng = random.Random(7)
             paths = ["health", "stage", "run", "batch", "stop", "weights", "migrate", "replica", "profile",
@@ -190,7 +186,7 @@ def test_ten_thousand_hostile_requests_change_nothing(trained, cluster):
             assert (await boss.get(url, "health")).envelope().meta["step"] == health["step"]
             for name, value in before.tensors.items():
                 np.testing.assert_array_equal(after.tensors[name], value, err_msg=name)
-            codes["rss_growth_kib"] = _rss_kib(process.pid) - rss_before
+            codes["rss_growth_kib"] = (resident_bytes(process.pid) - rss_before) // 1024
             return codes
 
     codes = asyncio.run(main())

@@ -20,6 +20,7 @@ from edgert.localcluster import LocalCluster
 from edgert.transport import Limits, Request, Response, TensorClient, TensorServer
 from edgert.transport.errors import Unauthorized
 from edgert.transport.limits import MiB
+from tests.resident_memory import resident_bytes
 from tests.security.plans import mlp_plan
 from tests.transport.raw_peer import RawPeer, anonymous_tls, head
 
@@ -30,12 +31,6 @@ DECLARED = 60 * MiB
 STEPS = 6  # within the coordinator's lookahead (8): a fast one-stage run can stall beyond it (issue 15 item 8)
 
 
-def resident_bytes(pid: int) -> int:
-    """VmRSS of process ``pid``."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +54,8 @@ def test_sixteen_declared_60_MiB_frames_cost_under_16_MiB_and_the_worker_then_tr
         probe.request(Code.GET, ("health",), b"\x02")  # answered after the worker read every head
         time.sleep(1.0)
         grown = resident_bytes(pid) - before
+        print(f"worker RSS {before / MiB:.1f} -> {(before + grown) / MiB:.1f} MiB after {STRANGERS} heads "
+              f"declaring {DECLARED >> 20} MiB each")  # the figure, with `pytest -s`
         assert grown < 16 * MiB, f"{STRANGERS} heads declaring {DECLARED >> 20} MiB each took {grown >> 20} MiB"
         if secure:  # refused from the head: 4.01 before any payload byte
             assert all(s.read_until(Code.UNAUTHORIZED).token == bytes([k + 1]) for k, s in enumerate(strangers))
