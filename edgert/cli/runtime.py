@@ -180,7 +180,7 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
     _check_listen(listen, keys is not None)
     if out_dir is None:
         out_dir = new_run_folder()
-    click.echo(f"run folder: {out_dir}", err=True)
+        click.echo(f"run folder: {out_dir}", err=True)
     config = TrainConfig(
         plan_dir=plan, workers=tuple(w.strip() for w in workers.split(",") if w.strip()), out_dir=out_dir,
         data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
