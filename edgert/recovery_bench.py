@@ -1,6 +1,6 @@
 """The recovery benchmark: a real SIGKILL mid-step, recovery vs restart, the cost of replication.
 
-Run by ``tools/bench_recovery.py`` and ``edgert bench recovery``. One run, on loopback,
+Run by ``edgert bench recovery`` (and ``tools/bench_recovery.py``). One run, on loopback,
 with real ``edgert worker`` processes (LocalCluster); the model and data are the demo's
 (``cnn`` on scikit-learn's digits, 4 stages, 1F1B, batch 64 in 4 micro-batches, lr 3e-3).
 Every fault-tolerant run gets the same ``devices.json``, profiled once at the start, so no
@@ -56,12 +56,14 @@ from typing import Any
 
 from edgert.coordinator import TrainConfig, train
 from edgert.errors import EdgertError
-from edgert.fault_injection import MetricsTail, run_and_kill
+from edgert.fault_injection import MetricsTail, Outcome, run_and_kill
 from edgert.localcluster import LocalCluster
 from edgert.runlog import read_metrics
 
 STAGES = 4
 COMPUTING = ("forward", "backward")  # a victim's /health activity while it computes: "mid-step"
+LISTEN = "coap+tcp://127.0.0.1:0"  # every run's coordinator, in this process or an `edgert train` one
+EDGERT_TRAIN = [sys.executable, "-m", "edgert", "train"]
 
 
 @dataclass(frozen=True)
@@ -168,11 +170,18 @@ class _Bench:
         settings.update(options)
         if not (settings["replicate_every"] or settings["central_every"]):
             settings["devices"] = None  # fault tolerance off: no planner, nothing to profile
-        return TrainConfig(plan_dir=self.plan, workers=tuple(workers), out_dir=out, listen="coap+tcp://127.0.0.1:0",
+        return TrainConfig(plan_dir=self.plan, workers=tuple(workers), out_dir=out, listen=LISTEN,
                            progress=False, **settings)
 
     def _cluster(self, count: int, names: list[str] | None = None) -> LocalCluster:
         return LocalCluster(count, names=names, log_dir=self.scratch / "worker-logs")
+
+    def _kill_mid_step(self, job: Callable[[], Any], cluster: LocalCluster, out: Path, victims: list[int],
+                       **options) -> Outcome:
+        """Run ``job``; SIGKILL ``victims`` once step ``--kill-at`` has completed, while one computes."""
+        step = self.config.kill_at
+        return run_and_kill(job, cluster, out, victims, poll_s=0.002, **options,
+                            when=lambda health, completed: completed >= step and health.activity.startswith(COMPUTING))
 
     def _throughput(self) -> dict[str, Any]:
         c = self.config
@@ -212,8 +221,7 @@ class _Bench:
         c = self.config
         out = self.scratch / "kill"
         with self._cluster(STAGES) as cluster:
-            outcome = run_and_kill(lambda: train(self._config(cluster.urls, out)), cluster, out, [c.victim],
-                                   _mid_step_after(c.kill_at), poll_s=0.002)
+            outcome = self._kill_mid_step(lambda: train(self._config(cluster.urls, out)), cluster, out, [c.victim])
         summary, kill = outcome.result, outcome.kill
         events = kill.events("recovery")
         if summary.recoveries != 1 or len(events) != 1:
@@ -235,9 +243,9 @@ class _Bench:
                                "ok": False, "recovery_s": None}
         with self._cluster(STAGES) as cluster:
             try:
-                outcome = run_and_kill(
-                    lambda: train(self._config(cluster.urls, out, replicas=replicas, central_every=0)),
-                    cluster, out, victims, _mid_step_after(c.kill_at), poll_s=0.002)
+                outcome = self._kill_mid_step(
+                    lambda: train(self._config(cluster.urls, out, replicas=replicas, central_every=0)), cluster, out,
+                    victims)
             except EdgertError as error:
                 row["error"] = str(error)
                 self.say(f"two failures ({label}): not survived: {error}")
@@ -262,17 +270,17 @@ class _Bench:
         cluster.start()
         try:
             survivors = [name for k, name in enumerate(cluster.names) if k != c.victim]
-            command = [sys.executable, "-m", "edgert", "train", str(self.plan), "--workers", ",".join(cluster.urls),
+            command = [*EDGERT_TRAIN, str(self.plan), "--workers", ",".join(cluster.urls),
                        "--out", str(out), "--steps", str(c.steps), "--epochs", "1000",
                        "--batch-size", str(c.batch_size), "--micro-batches", str(c.micro_batches),
                        "--schedule", c.schedule, "--threads", str(c.threads),
                        "--replicate-every", str(c.replicate_every), "--central-every", str(c.replicate_every),
-                       "--devices", str(self.devices), "--listen", "coap+tcp://127.0.0.1:0", "--insecure"]
+                       "--devices", str(self.devices), "--listen", LISTEN, "--insecure"]
             with open(logs / "first.log", "wb") as log:
                 coordinator = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
                 try:
-                    kill = run_and_kill(coordinator.wait, cluster, out, [c.victim], _mid_step_after(c.kill_at),
-                                        poll_s=0.002, on_kill=coordinator.kill).kill
+                    kill = self._kill_mid_step(coordinator.wait, cluster, out, [c.victim],
+                                               on_kill=coordinator.kill).kill
                 finally:
                     coordinator.kill()
                     coordinator.wait(10)
@@ -285,8 +293,7 @@ class _Bench:
             tail = MetricsTail(out)
             tail.poll()
             before = len(tail.records)
-            command = [sys.executable, "-m", "edgert", "train", "--resume", str(out), "--workers", ",".join(fresh.urls),
-                       "--json"]
+            command = [*EDGERT_TRAIN, "--resume", str(out), "--workers", ",".join(fresh.urls), "--json"]
             with open(logs / "resume.log", "wb") as log:
                 launched = time.monotonic()
                 resumed = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log)
@@ -343,11 +350,6 @@ def copy_step_excess(runs: list[list[dict[str, Any]]], warmup: int, every: int, 
                 excess += sum(times[s] for s in hit) - len(hit) * statistics.median(near)
         total += sum(times.values())
     return excess / total if total else 0.0
-
-
-def _mid_step_after(step: int):
-    """Kill once ``step`` has completed, while the victim computes a forward or a backward."""
-    return lambda health, completed: completed >= step and health.activity.startswith(COMPUTING)
 
 
 def _first_step_after(tail: MetricsTail, event: str, process: subprocess.Popen,
@@ -459,52 +461,8 @@ def _cell(value: Any, pattern: str = "{:.3f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry of tools/bench_recovery.py."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help='print one JSON object {"rows": [...], "ratios": {...}}')
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    result = run(config_from(vars(args)))
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
-
-
-OPTIONS: list[tuple[str, type, str]] = [
-    ("model", str, "zoo model (the demo's)"),
-    ("steps", int, "steps of every run"),
-    ("kill-at", int, "kill once this step has completed, while the victim computes"),
-    ("victim", int, "stage whose worker is killed in the single-failure runs"),
-    ("replicate-every", int, "K: steps between replicas (the default run's)"),
-    ("central-every", int, "steps between copies to the coordinator (the default run's)"),
-    ("batch-size", int, ""),
-    ("micro-batches", int, ""),
-    ("schedule", str, "gpipe, 1f1b or async"),
-    ("lr", float, "learning rate of the exported plan"),
-    ("threads", int, "ORT intra-op threads per worker session"),
-    ("repeats", int, "pairs of throughput runs (with / without replication, alternating)"),
-    ("warmup", int, "steps left out of each throughput measurement"),
-]
-
-
-def add_arguments(parser) -> None:
-    """The benchmark's options on an argparse parser (``--keep`` and the fields of :class:`BenchConfig`)."""
-    defaults = BenchConfig()
-    for name, kind, text in OPTIONS:
-        default = getattr(defaults, _field(name))
-        parser.add_argument(f"--{name}", type=kind, default=default, help=f"{text} (default {default})".strip())
-    parser.add_argument("--keep", type=Path, help="write the plan, runs and logs here (default: a temporary folder)")
-
-
 def config_from(options: dict[str, Any]) -> BenchConfig:
-    """A :class:`BenchConfig` from parsed options (argparse's ``vars`` or click's keyword arguments)."""
-    values = {_field(name): options[name.replace("-", "_")] for name, _, _ in OPTIONS
-              if options.get(name.replace("-", "_")) is not None}
-    return BenchConfig(**values, keep=options.get("keep"), progress=lambda text: print(text, file=sys.stderr))
-
-
-def _field(option: str) -> str:
-    option = option.replace("-", "_")
-    return "learning_rate" if option == "lr" else option
+    """A :class:`BenchConfig` from ``edgert bench recovery``'s keyword arguments (``--lr``: ``learning_rate``)."""
+    values = {("learning_rate" if name == "lr" else name): value for name, value in options.items()
+              if value is not None}
+    return BenchConfig(**values, progress=lambda text: print(text, file=sys.stderr))

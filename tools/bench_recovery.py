@@ -10,12 +10,10 @@ edgert/recovery_bench.py for what each figure is exactly.
 
 Usage: python tools/bench_recovery.py [--json] [--steps 100] [--kill-at 50] [--replicate-every 20]
        [--repeats 3] [--keep DIR]
-(the same as ``edgert bench recovery``; the implementation is edgert.recovery_bench).
+(runs ``edgert bench recovery``, edgert/cli/bench.py; the implementation is edgert.recovery_bench).
 """
 
-import sys
-
-from edgert.recovery_bench import main
+from edgert.cli.bench import recovery
 
 if __name__ == "__main__":
-    sys.exit(main())
+    recovery()
