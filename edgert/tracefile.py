@@ -17,6 +17,7 @@ from typing import Any
 
 PROCESS = {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "edgert pipeline"}}
 EVENTS_TRACK = 0  # instants (re-plans, recoveries) go on track 0; workers' tracks start at 1
+EVENTS = {"name": "thread_name", "ph": "M", "pid": 1, "tid": EVENTS_TRACK, "args": {"name": "events"}}
 
 
 class TraceWriter:
@@ -28,12 +29,13 @@ class TraceWriter:
         self._tracks: dict[str, int] = {}
         self._empty = not _opened(self.path)
         if not self._empty:  # a resumed run: its workers keep their tracks
-            self._tracks = {e["args"]["name"]: e["tid"] for e in _iter_events(self.path, "thread_name")}
+            self._tracks = {e["args"]["name"]: e["tid"] for e in _iter_events(self.path, "thread_name")
+                            if e["tid"] != EVENTS_TRACK}
             _drop_closing(self.path)
         self._file = open(self.path, "w" if self._empty else "a")
         if self._empty:
             self._file.write("[")
-            self._write([PROCESS])
+            self._write([PROCESS, EVENTS])
 
     def instant(self, name: str, at: float, fields: dict[str, Any]) -> None:
         """An event of the run at wall-clock time ``at``."""

@@ -88,6 +88,7 @@ def test_training_run_records_metrics_trace_and_merges(cluster, plans, tmp_path)
     trace = json.loads((out / "trace.json").read_text())  # a finished run's trace is plain JSON
     tracks = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     assert {e["tid"] for e in trace if e.get("ph") == "X"} == {1, 2, 3}  # one track per worker
+    assert tracks.pop(0) == "events"  # the run's events (instants) have their own track
     assert sorted(tracks.values()) == sorted(summary.workers)
     assert any(e["name"].startswith("B") for e in trace if e.get("ph") == "X")
 

@@ -68,6 +68,7 @@ def test_tracks_are_named_by_the_worker_that_ran_the_spans(tmp_path):
     names = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     spans = {e["name"]: (names[e["tid"]], e["args"]["stage"]) for e in trace if e.get("ph") == "X"}
     assert spans == {"F0.0": ("pi-1", 1), "F1.0": ("pi-2", 1)}
+    assert names[0] == "events"  # the run's instants (re-plans, recoveries) have a named track too
 
 
 WRITER = """
@@ -104,7 +105,7 @@ def test_a_killed_coordinator_leaves_a_readable_trace_that_a_resume_continues(tm
     trace = json.loads((tmp_path / "trace.json").read_text())  # closed by the resumed run: plain JSON
     assert trace[:len(killed) - 1] == killed[:-1]  # (the killed run's last line may have been cut)
     tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
-    assert tracks == {"w0": 1, "w1": 2, "w9": 3}  # w0 kept its track
+    assert tracks == {"events": 0, "w0": 1, "w1": 2, "w9": 3}  # w0 kept its track; events on track 0
     resumed_span = next(e for e in trace if e["name"] == "F9999.0")
     assert resumed_span["tid"] == 1 and resumed_span["ts"] == pytest.approx(500e6)  # times from the run's start
     assert all(isinstance(r["step"], int) for r in read_metrics(tmp_path))  # no cut line left in the metrics
