@@ -209,9 +209,12 @@ def print_summary(summary, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(asdict(summary)))
         return
-    accuracy = "n/a" if summary.test_accuracy is None else f"{summary.test_accuracy:.4f}"
-    click.echo(f"run {summary.run_dir}: {summary.steps} steps ({summary.schedule}), "
-               f"{summary.samples_per_s:.1f} samples/s, test accuracy {accuracy}, test loss {summary.test_loss:.4f}")
+
+    def shown(figure: float | None) -> str:  # no evaluation yet: no test figures
+        return "n/a" if figure is None else f"{figure:.4f}"
+
+    click.echo(f"run {summary.run_dir}: {summary.steps} steps ({summary.schedule}), {summary.samples_per_s:.1f} "
+               f"samples/s, test accuracy {shown(summary.test_accuracy)}, test loss {shown(summary.test_loss)}")
     for k, (name, share) in enumerate(zip(summary.workers, summary.stage_utilisation)):
         click.echo(f"  stage {k} on {name}: {share * 100:.1f}% busy")
 

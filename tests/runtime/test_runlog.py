@@ -12,10 +12,11 @@ import tracemalloc
 
 import pytest
 
+from edgert.cli.runtime import print_summary
 from edgert.errors import TrainingError
 from edgert.executor import StepReport
 from edgert.ledger import StepLedger
-from edgert.run_summary import summarise
+from edgert.run_summary import RunSummary, summarise
 from edgert.runlog import RunLog, claim_run_folder, new_run_folder, read_metrics
 from edgert.tracefile import read_trace
 
@@ -218,3 +219,11 @@ def test_train_without_out_uses_a_new_folder_each_time_and_says_which(tmp_path):
         folders.append(said[0].removeprefix("run folder: "))
     day = time.strftime("%Y-%m-%d")
     assert folders == [f"runs/{day}-1", f"runs/{day}-2"] and all((tmp_path / f).is_dir() for f in folders)
+
+
+def test_a_summary_without_an_evaluation_is_printed(capsys):
+    """A run that never reached an epoch's end has no test loss: the summary line says so."""
+    summary = RunSummary(run_dir="runs/x", steps=3, epochs=1, samples=192, train_seconds=1.0, samples_per_s=192.0,
+                         train_loss=2.0, test_loss=None, test_accuracy=None, schedule="1f1b")
+    print_summary(summary, as_json=False)
+    assert "test accuracy n/a, test loss n/a" in capsys.readouterr().out
