@@ -178,7 +178,9 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
         raise click.UsageError("give PLAN and --workers (or --resume RUN_DIR)")
     keys = host_keys(keys, insecure)
     _check_listen(listen, keys is not None)
-    if out_dir is None:
+    forced = tuple(_forced_replan(text) for text in replan_at)  # a bad one is refused before a folder is made
+    chosen = out_dir is None
+    if chosen:
         out_dir = new_run_folder()
         click.echo(f"run folder: {out_dir}", err=True)
     config = TrainConfig(
@@ -188,9 +190,14 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
         forward_threads=threads, backward_threads=threads, listen=listen or default_listen(keys is not None, 0),
         keys=keys, advertise=advertise,
         step_timeout=step_timeout, replan=replan, replan_every=replan_every, replan_threshold=replan_threshold,
-        replan_at=tuple(_forced_replan(text) for text in replan_at), devices=devices, memory_mode=memory_mode,
+        replan_at=forced, devices=devices, memory_mode=memory_mode,
         replicate_every=replicate_every, central_every=central_every, replicas=replicas, overwrite=overwrite)
-    summary = train(config)
+    try:
+        summary = train(config)
+    except BaseException:
+        if chosen and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # the run failed before recording anything: leave no empty runs/<date>-<n>
+        raise
     print_summary(summary, as_json)
 
 

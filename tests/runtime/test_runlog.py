@@ -15,7 +15,9 @@ import pytest
 from edgert.cli.runtime import print_summary
 from edgert.errors import TrainingError
 from edgert.executor import StepReport
+from edgert.exporter.export import ExportOptions, export_plan
 from edgert.ledger import StepLedger
+from edgert.models import build_model, save_model
 from edgert.run_summary import RunSummary, summarise
 from edgert.runlog import RunLog, claim_run_folder, new_run_folder, read_metrics
 from edgert.tracefile import read_trace
@@ -209,7 +211,8 @@ def test_resume_records_in_the_folder_it_is_given(tmp_path):
 
 def test_train_without_out_uses_a_new_folder_each_time_and_says_which(tmp_path):
     """Item 4: the default run folder never collides (here the runs fail at once: no worker answers)."""
-    (tmp_path / "plan").mkdir()
+    save_model(build_model("mlp"), tmp_path / "mlp.onnx")
+    export_plan(tmp_path / "mlp.onnx", tmp_path / "plan", ExportOptions(stages=1))
     folders = []
     for _ in range(2):
         done = subprocess.run([sys.executable, "-m", "edgert", "train", "plan", "--workers", "coap+tcp://127.0.0.1:9",
@@ -227,3 +230,12 @@ def test_a_summary_without_an_evaluation_is_printed(capsys):
                          train_loss=2.0, test_loss=None, test_accuracy=None, schedule="1f1b")
     print_summary(summary, as_json=False)
     assert "test accuracy n/a, test loss n/a" in capsys.readouterr().out
+
+
+def test_a_run_failing_before_it_records_anything_leaves_no_default_folder(tmp_path):
+    """The folder edgert chose goes again when the run fails before writing to it (here: no plan)."""
+    (tmp_path / "plan").mkdir()
+    done = subprocess.run([sys.executable, "-m", "edgert", "train", "plan", "--workers", "coap+tcp://127.0.0.1:9",
+                           "--insecure"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert (tmp_path / "runs").is_dir() and not any((tmp_path / "runs").iterdir()), done.stderr
