@@ -138,8 +138,7 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         self.server.add_resource(WEIGHTS, fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("control",))
         self.central = CentralCopies(config.out_dir / "snapshots")
         self.watch: FailureWatch | None = None
-        self._failed: set[str] = set()
-        self._noticed = 0.0
+        self._failed: dict[str, float] = {}  # failed worker URL -> when it was noticed (monotonic), until recovered
         self._recoveries = 0
         self._membership_changed = False
         self._recheck_after_replan = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later

@@ -66,13 +66,16 @@ class RecoveryMixin:
     # -- noticing failures ----------------------------------------------------------------------
 
     def _on_worker_failure(self, urls: set[str], noticed: float) -> None:
-        fresh = (urls & set(self.known)) - self._failed
+        fresh = (urls & set(self.known)) - set(self._failed)
         if not fresh:
             return
-        if not self._failed:
-            self._noticed = noticed
-        self._failed |= fresh
+        self._failed.update(dict.fromkeys(fresh, noticed))
         self.ledger.interrupt()
+
+    def _failure(self) -> WorkerFailure:
+        """The failures not yet recovered from, noticed when the first of them was (one noticed during
+        a recovery counts from its own notice, not from the failure that recovery was for)."""
+        return WorkerFailure(set(self._failed), min(self._failed.values()))
 
     def _deadline(self) -> float:
         """How long a step may take before the workers are probed: a few median steps."""
@@ -87,12 +90,12 @@ class RecoveryMixin:
             deadline = self._deadline()
             finished = await self.ledger.wait(step, deadline)
             if self._failed:
-                raise WorkerFailure(self._failed, self._noticed)
+                raise self._failure()
             if self.ledger.failure or not finished:
                 dead = await dead_among(self.client, self.order)
                 if dead:
                     self._on_worker_failure(dead, time.monotonic())
-                    raise WorkerFailure(self._failed, self._noticed)
+                    raise self._failure()
                 if self.ledger.failure:
                     raise TrainingError(self.ledger.failure)
             if finished:
@@ -114,7 +117,7 @@ class RecoveryMixin:
         if not dead:
             raise TrainingError(str(error)) from None
         self._on_worker_failure(dead, time.monotonic())
-        return WorkerFailure(self._failed, self._noticed)
+        return self._failure()
 
     async def _recover(self, failure: WorkerFailure) -> int:
         """Recover from ``failure`` (and from further failures during it); returns the step to resume at."""
@@ -160,7 +163,8 @@ class RecoveryMixin:
         self._recoveries += 1
         self.manifest, self.plan_dir, self.order, self.names = manifest, folder, order, list(proposal.workers)
         self._evaluator = Evaluator(folder, manifest)
-        self._failed -= failed  # a worker that died meanwhile (an idle one, say) is recovered from next
+        for url in failed:  # a worker that died meanwhile (an idle one, say) is recovered from next
+            self._failed.pop(url, None)
         after = snapshot if snapshot is not None else -1
         from_snapshot = self.ledger.restart(self.names, after=after)
         resume = after + 1
