@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from pathlib import Path
@@ -60,3 +61,10 @@ def final_parameters(out: Path) -> dict:
     for path in sorted((out / "checkpoints" / "latest").glob("stage*.cbor")):
         parameters.update(load_state(path).parameters)
     return parameters
+
+
+def free_port() -> int:
+    """A loopback TCP port free now: for a coordinator's ``--listen`` that a test must name before it starts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

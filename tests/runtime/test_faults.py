@@ -25,7 +25,7 @@ from edgert.protocol import JOIN, WEIGHTS
 from edgert.recovery import gather_holdings
 from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, SyncClient
-from edgert.weights import load_state
+from tests.running_coordinator import final_parameters, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 STEPS = 40
@@ -47,7 +47,7 @@ def clean(plan4, tmp_path_factory):
     out = tmp_path_factory.mktemp("clean") / "run"
     with LocalCluster(4) as cluster:
         summary = run(plan4, cluster.urls, out)
-    return summary, parameters(out)
+    return summary, final_parameters(out)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def clean2(plan2, tmp_path_factory):
     out = tmp_path_factory.mktemp("clean2") / "run"
     with LocalCluster(2) as cluster:
         run(plan2, cluster.urls, out, steps=STEPS2)
-    return parameters(out)
+    return final_parameters(out)
 
 
 def run(plan, workers, out, **options):
@@ -73,13 +73,6 @@ def run(plan, workers, out, **options):
     options.setdefault("progress", False)
     config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, **options)
     return train(config)
-
-
-def parameters(run_dir):
-    values = {}
-    for path in sorted((run_dir / "checkpoints" / "latest").glob("stage*.cbor")):
-        values.update(load_state(path).parameters)
-    return values
 
 
 def relative_difference(a, b):
@@ -114,7 +107,7 @@ def test_kill_during_compute_and_replication(plan4, clean, tmp_path, point, slow
     survivors = {"local-0", "local-1", "local-3"}
     assert len(events) == 1 and events[0]["steps_lost"] <= 5 and set(events[0]["workers"]) <= survivors
     assert len(events[0]["workers"]) >= 2
-    assert relative_difference(parameters(tmp_path / "run"), clean_params) <= 1e-4
+    assert relative_difference(final_parameters(tmp_path / "run"), clean_params) <= 1e-4
     assert summary.test_accuracy == pytest.approx(clean_summary.test_accuracy, abs=0.01)
 
 
@@ -125,7 +118,7 @@ def test_kill_during_a_replan(plan4, clean, tmp_path):
                                lambda health, step: step >= 10 and health.activity == "loading",
                                replan_at=((15, (1, 2, 4)),))
     assert summary.steps == STEPS and summary.recoveries == 1
-    assert relative_difference(parameters(tmp_path / "run"), clean_params) <= 1e-4
+    assert relative_difference(final_parameters(tmp_path / "run"), clean_params) <= 1e-4
 
 
 @pytest.mark.parametrize("victims,replicas", [([0, 2], 1), ([1, 2], 2)])
@@ -137,7 +130,7 @@ def test_two_simultaneous_failures(plan4, clean, tmp_path, victims, replicas):
                                replicas=replicas, central_every=0)
     assert summary.steps == STEPS and summary.recoveries >= 1
     assert all(len(e["workers"]) == 2 for e in recoveries(tmp_path / "run")[-1:])
-    assert relative_difference(parameters(tmp_path / "run"), clean_params) <= 1e-4
+    assert relative_difference(final_parameters(tmp_path / "run"), clean_params) <= 1e-4
 
 
 def test_async_schedule_survives_a_kill(plan4, tmp_path):
@@ -171,7 +164,7 @@ def test_a_run_restores_only_its_own_copies(plan4, clean, tmp_path):
     events = recoveries(tmp_path / "same")
     assert outcome.result.steps == STEPS and len(events) == 1
     assert events[0]["snapshot_step"] is None or events[0]["snapshot_step"] <= outcome.kill.step + 5
-    assert relative_difference(parameters(tmp_path / "same"), clean_params) <= 1e-4
+    assert relative_difference(final_parameters(tmp_path / "same"), clean_params) <= 1e-4
 
 
 def test_a_replayed_epoch_end_is_printed_and_read_once_and_spans_keep_their_worker(plan4, clean, tmp_path,
@@ -185,7 +178,7 @@ def test_a_replayed_epoch_end_is_printed_and_read_once_and_spans_keep_their_work
                                           progress=True), cluster, out, [2], lambda health, step: step >= 22)
     events = recoveries(out)
     assert len(events) == 1 and events[0]["snapshot_step"] == 19, events  # the replay crosses step 21
-    assert relative_difference(parameters(out), clean_params) <= 1e-4
+    assert relative_difference(final_parameters(out), clean_params) <= 1e-4
     printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("epoch 1: test loss")]
     assert len(printed) == 1, printed
     written = [m for m in read_metrics(out, superseded=True) if m["type"] == "eval" and m["epoch"] == 0]
@@ -209,7 +202,7 @@ def test_a_worker_joins_a_running_job(plan4, tmp_path):
     """Three slow workers train; a fast one joins; the planner puts it to work."""
     # slow enough that a fast worker pays for its re-plan even when the host is busy (a 1 s pause)
     with LocalCluster(4, slowdowns=["12", "12", "12", "12"]) as cluster:
-        coordinator_port = _free_port()
+        coordinator_port = free_port()
         result = {}
         out = tmp_path / "run"
 
@@ -238,14 +231,6 @@ def test_a_worker_joins_a_running_job(plan4, tmp_path):
     replans = [m for m in events if m.get("event") == "replan"]
     assert replans and "fast" in replans[-1]["workers"]
     assert summary.steps == STEPS
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _train_process(plan, workers, out, steps=STEPS):
@@ -309,12 +294,12 @@ def _check_resumed(resumed: subprocess.CompletedProcess, out, clean_params) -> N
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     events = [m for m in read_metrics(out) if m.get("event") == "resume"]
     assert len(events) == 1 and events[0]["snapshot_step"] >= 9
-    assert relative_difference(parameters(out), clean_params) <= 1e-4
+    assert relative_difference(final_parameters(out), clean_params) <= 1e-4
 
 
 def test_recovery_with_more_survivors_than_stages(plan2, clean2, tmp_path):
     """Two slow workers join a 2-stage run and sit idle; a stage's worker dies: 3 survivors, 2 stages."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     coordinator = f"coap+tcp://127.0.0.1:{port}"
     with LocalCluster(2, slowdowns=["30", "30"]) as cluster, \
             LocalCluster(2, names=["idle-0", "idle-1"], slowdowns=["60", "60"]) as idle, SyncClient.start() as client:
@@ -332,7 +317,7 @@ def test_recovery_with_more_survivors_than_stages(plan2, clean2, tmp_path):
     assert summary.steps == STEPS2 and summary.recoveries == 1
     events = recoveries(out)
     assert len(events) == 1 and set(events[0]["workers"]) <= {"local-0", "idle-0", "idle-1"}
-    assert relative_difference(parameters(out), clean2) <= 1e-4
+    assert relative_difference(final_parameters(out), clean2) <= 1e-4
 
 
 def _metrics_events(out, name):

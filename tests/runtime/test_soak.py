@@ -29,7 +29,7 @@ from edgert.exporter.keystore import local_cluster_keys
 from edgert.fault_injection import MetricsTail
 from edgert.localcluster import LocalCluster
 from edgert.models import build_model, save_model
-from edgert.weights import load_state
+from tests.running_coordinator import final_parameters, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -50,7 +50,7 @@ def plan3(tmp_path_factory) -> Path:
 def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tmp_path):
     rng = random.Random(15)
     out = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     listen = f"coaps+tcp://127.0.0.1:{port}"
     names = [f"first-{k}" for k in range(3)], [f"joiner-{k}" for k in range(3)]
     credentials = local_cluster_keys(tmp_path / "keys", names[0] + names[1])
@@ -119,7 +119,7 @@ def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tm
     with LocalCluster(3) as cluster:
         train(TrainConfig(plan_dir=plan3, workers=tuple(cluster.urls), out_dir=clean, steps=STEPS,
                           listen="coap+tcp://127.0.0.1:0", progress=False, **OPTIONS))
-    soaked, undisturbed = _parameters(out), _parameters(clean)
+    soaked, undisturbed = final_parameters(out), final_parameters(clean)
     assert soaked.keys() == undisturbed.keys()
     differ = [n for n in undisturbed if not np.array_equal(soaked[n], undisturbed[n])]
     assert not differ, f"parameters that differ from the undisturbed run's: {differ}"  # bit for bit
@@ -159,14 +159,3 @@ def _last_step_after(tail: MetricsTail, event: str) -> int:
     return max(steps, default=-1)
 
 
-def _parameters(run_dir: Path) -> dict[str, np.ndarray]:
-    values = {}
-    for path in sorted((run_dir / "checkpoints" / "latest").glob("stage*.cbor")):
-        values.update(load_state(path).parameters)
-    return values
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
