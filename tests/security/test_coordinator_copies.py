@@ -42,8 +42,6 @@ def copy(run_id: str, stage: int, step: int, size: int, origin: str) -> Envelope
                     meta={"origin": origin})
 
 
-
-
 def kept_bytes(running: RunningCoordinator) -> int:
     return sum(h.bytes for h in running.coordinator.central.holdings())
 
