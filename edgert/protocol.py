@@ -75,9 +75,11 @@ class Peers:
             raise ProtocolError(f"meta.peers has unknown field(s) {sorted(map(str, unknown))}")
         peers = cls(previous=meta.get("previous"), next=meta.get("next"), coordinator=meta.get("coordinator"),
                     previous_name=meta.get("previous_name"), next_name=meta.get("next_name"))
-        for name in ("previous", "next", "coordinator"):  # coordinator "": none (a stage sent to be profiled)
-            if getattr(peers, name) not in (None, "") or name == "coordinator" and peers.coordinator != "":
+        for name in ("previous", "next"):  # none at the pipeline's ends
+            if getattr(peers, name) not in (None, ""):
                 fields.url(getattr(peers, name), f"meta.peers.{name}")
+        if peers.coordinator != "":  # "": none (a stage sent to be profiled)
+            fields.url(peers.coordinator, "meta.peers.coordinator")
         for name in ("previous_name", "next_name"):
             if not isinstance(getattr(peers, name), (str, type(None))):
                 raise ProtocolError(f"meta.peers.{name} must be a worker name or null")
