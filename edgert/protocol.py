@@ -21,9 +21,10 @@ naming the field) for anything malformed; handlers only see typed messages.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,14 +44,18 @@ MAX_REASON_BYTES = 1024  # a /stop reason
 MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one window per step)
 
 
+T = TypeVar("T")
+
+
 class ProtocolError(EdgertError):
     """A message is well-formed CBOR but not what this resource expects."""
 
 
-def read_request(parse, envelope: Envelope):
-    """``parse(envelope)`` (a ``from_envelope``) in a handler: a malformed message is answered 4.00."""
+def read_request(parse: Callable[[Any], T], body: Any) -> T:
+    """``parse(body)`` (a ``from_envelope``, or a reader of a request's payload) in a handler: a malformed
+    message is answered 4.00."""
     try:
-        return parse(envelope)
+        return parse(body)
     except ProtocolError as error:
         raise BadRequest(str(error)) from None
 
