@@ -41,6 +41,7 @@ from edgert.protocol import (
     BATCH,
     HEALTH,
     JOIN,
+    MAX_SEGMENT_STEPS,
     REPLICA,
     REPORT,
     RUN,
@@ -62,6 +63,22 @@ from edgert.weights import StageState
 log = logging.getLogger("edgert.coordinator")
 
 SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
+
+
+def next_segment(plan: list[Batch], schedule: str, forced: set[int]) -> tuple[list[Batch], bool]:
+    """The plan's first segment and whether it ends an epoch: an epoch (under ``async``, every epoch
+    left), cut before every ``forced`` re-plan step and after ``MAX_SEGMENT_STEPS`` steps.
+
+    An ``async`` segment runs on across epoch ends: each is evaluated from the copies the
+    stages send after its last step (edgert/coordinator_evaluation.py).
+    """
+    for k, batch in enumerate(plan):
+        following = plan[k + 1] if k + 1 < len(plan) else None
+        ends_epoch = following is None or following.epoch != batch.epoch
+        if following is None or (ends_epoch and schedule != "async") or k + 1 == MAX_SEGMENT_STEPS \
+                or following.step in forced:
+            return plan[:k + 1], ends_epoch
+    return plan, True
 
 
 @dataclass(frozen=True)
@@ -286,8 +303,9 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         self._progress = Progress(len(plan), enabled=config.progress)
         self._evaluator = Evaluator(self.plan_dir, self.manifest)
         position = next((k for k, batch in enumerate(plan) if batch.step >= start_step), len(plan))
+        forced = {step for step, _ in config.replan_at}
         while position < len(plan):
-            chunk, ends_epoch = self._chunks(plan[position:])[0]
+            chunk, ends_epoch = next_segment(plan[position:], config.schedule, forced)
             try:
                 while chunk:
                     started = self.ledger.begin_segment()
@@ -311,26 +329,6 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                 position = next((k for k, batch in enumerate(plan) if batch.step == resume), len(plan))
             self.ledger.reset_timing()
         await self._settle_evaluations()
-
-    def _chunks(self, plan: list[Batch]) -> list[tuple[list[Batch], bool]]:
-        """Segments: an epoch (under ``async``, every epoch left), cut before every forced re-plan.
-
-        An ``async`` segment runs on across epoch ends: each is evaluated from the copies the
-        stages send after its last step (edgert/coordinator_evaluation.py).
-        """
-        forced = {step for step, _ in self.config.replan_at}
-        through_epochs = self.config.schedule == "async"
-        chunks: list[tuple[list[Batch], bool]] = []
-        current: list[Batch] = []
-        for k, batch in enumerate(plan):
-            current.append(batch)
-            following = plan[k + 1] if k + 1 < len(plan) else None
-            ends_epoch = following is None or following.epoch != batch.epoch
-            if (ends_epoch and (following is None or not through_epochs)) or (
-                    following is not None and following.step in forced):
-                chunks.append((current, ends_epoch))
-                current = []
-        return chunks
 
     async def _run_segment(self, plan: list[Batch], final: bool = False) -> int:
         """Run these steps, feeding them ``lookahead`` steps ahead; returns how many ran.

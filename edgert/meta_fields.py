@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from edgert.errors import EdgertError
-from edgert.transport.server import parse_url
+from edgert.transport.urls import parse_url
 
 MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, EdgertError)
 """What a reader (or a constructor fed from meta) raises for a malformed field."""

@@ -21,9 +21,10 @@ naming the field) for anything malformed; handlers only see typed messages.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,14 +44,18 @@ MAX_REASON_BYTES = 1024  # a /stop reason
 MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one window per step)
 
 
+T = TypeVar("T")
+
+
 class ProtocolError(EdgertError):
     """A message is well-formed CBOR but not what this resource expects."""
 
 
-def read_request(parse, envelope: Envelope):
-    """``parse(envelope)`` (a ``from_envelope``) in a handler: a malformed message is answered 4.00."""
+def read_request(parse: Callable[[Any], T], body: Any) -> T:
+    """``parse(body)`` (a ``from_envelope``, or a reader of a request's payload) in a handler: a malformed
+    message is answered 4.00."""
     try:
-        return parse(envelope)
+        return parse(body)
     except ProtocolError as error:
         raise BadRequest(str(error)) from None
 
@@ -75,9 +80,11 @@ class Peers:
             raise ProtocolError(f"meta.peers has unknown field(s) {sorted(map(str, unknown))}")
         peers = cls(previous=meta.get("previous"), next=meta.get("next"), coordinator=meta.get("coordinator"),
                     previous_name=meta.get("previous_name"), next_name=meta.get("next_name"))
-        for name in ("previous", "next", "coordinator"):  # coordinator "": none (a stage sent to be profiled)
-            if getattr(peers, name) not in (None, "") or name == "coordinator" and peers.coordinator != "":
+        for name in ("previous", "next"):  # none at the pipeline's ends
+            if getattr(peers, name) not in (None, ""):
                 fields.url(getattr(peers, name), f"meta.peers.{name}")
+        if peers.coordinator != "":  # "": none (a stage sent to be profiled)
+            fields.url(peers.coordinator, "meta.peers.coordinator")
         for name in ("previous_name", "next_name"):
             if not isinstance(getattr(peers, name), (str, type(None))):
                 raise ProtocolError(f"meta.peers.{name} must be a worker name or null")

@@ -53,6 +53,7 @@ from edgert.protocol import (
     StageAssignment,
     Truncate,
     failure_envelope,
+    read_request,
     reports_to_envelope,
     run_command,
     stop_reason,
@@ -297,10 +298,7 @@ class Worker(InputResources, StateResources, MeasureResources):
 
     async def _on_run(self, request: Request) -> Envelope | None:
         self._check_run(request.envelope)
-        try:
-            command = run_command(request.envelope)
-        except ProtocolError as error:
-            raise BadRequest(str(error)) from None
+        command = read_request(run_command, request.envelope)
         if isinstance(command, Hold):
             begun, committed = self.executor.gate.hold()
             return Envelope(kind="control", run_id=self.assignment.run_id, step=max(begun, 0),
@@ -333,11 +331,7 @@ class Worker(InputResources, StateResources, MeasureResources):
     async def _on_stop(self, request: Request) -> str:
         if request.content_format not in (None, TEXT):
             raise UnsupportedContentFormat(f"/{STOP} takes text (Content-Format {TEXT}), got {request.content_format}")
-        try:
-            reason = stop_reason(request.payload)
-        except ProtocolError as error:
-            raise BadRequest(str(error)) from None
-        await self._stop_run(reason)
+        await self._stop_run(read_request(stop_reason, request.payload))
         return "stopped"
 
     async def _stop_run(self, reason: str) -> None:

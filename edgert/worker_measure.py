@@ -15,7 +15,7 @@ from edgert.admission import vet_stage_files
 from edgert.errors import EdgertError
 from edgert.onnx_scan import GraphRefused
 from edgert.profiler import measure_stage, probe_link
-from edgert.protocol import ProfileOptions, ProtocolError, StageAssignment, probe_target
+from edgert.protocol import ProfileOptions, ProtocolError, StageAssignment, probe_target, read_request
 from edgert.transport import BadRequest, Envelope, Request, TransportError
 from edgert.transport.errors import Forbidden
 
@@ -52,10 +52,7 @@ class MeasureResources:
 
     async def _on_probe(self, request: Request) -> Envelope:
         """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""
-        try:
-            target = probe_target(request.envelope)
-        except ProtocolError as error:
-            raise BadRequest(str(error)) from None
+        target = read_request(probe_target, request.envelope)
         try:
             result = await probe_link(self.client, target)
         except TransportError as error:

@@ -23,7 +23,7 @@ from edgert.manifest import load_manifest
 from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, TensorClient
 from edgert.transport.errors import Forbidden
-from edgert.weights import load_state
+from tests.running_coordinator import final_parameters
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,10 +41,7 @@ def secure_run(cluster, plan: Path, out: Path, attack=None):
         thread.start()
         refusals = attack(workers.urls, out) if attack else {}
         thread.join(300)
-    parameters = {}
-    for path in sorted((out / "checkpoints" / "latest").glob("stage*.cbor")):
-        parameters.update(load_state(path).parameters)
-    return result.get("summary"), parameters, refusals
+    return result.get("summary"), final_parameters(out), refusals
 
 
 def latest_step(out: Path) -> int:
