@@ -185,6 +185,12 @@ def test_a_damaged_stage_checkpoint_is_named(run_copy, tmp_path):
     assert "4.00" not in line and "Bad Request" not in line
 
 
+def test_demo_refuses_a_wrong_slowdowns_count_before_writing_anything(tmp_path):
+    assert_one_line_error(edgert("demo", "--stages", "2", "--slowdowns", "1,2,3", "--out", tmp_path / "demo"),
+                          "--slowdowns gives 3 values for 2 stages")
+    assert not (tmp_path / "demo").exists()  # no model built, no plan exported first
+
+
 # -- devices.json, checked field by field --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
