@@ -10,8 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgert.errors import FileFormatError
-from edgert.typed_json import at_least, load_dataclass
+from edgert.typed_json import at_least, load_dataclass, load_json_file
 
 CHECKPOINT_NAME = "checkpoint.json"
 
@@ -34,10 +33,4 @@ def save_checkpoint_info(info: CheckpointInfo, folder: Path) -> Path:
 
 def load_checkpoint_info(folder: Path) -> CheckpointInfo:
     """Read and check ``folder``/checkpoint.json; a problem is one FileFormatError naming the file."""
-    path = folder / CHECKPOINT_NAME
-    try:
-        return load_dataclass(CheckpointInfo, json.loads(path.read_text()))
-    except json.JSONDecodeError as error:
-        raise FileFormatError(f"{path}: not valid JSON ({error})") from None
-    except FileFormatError as error:
-        raise FileFormatError(f"{path}: {error}") from None
+    return load_json_file(folder / CHECKPOINT_NAME, lambda data: load_dataclass(CheckpointInfo, data))

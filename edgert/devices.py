@@ -13,7 +13,7 @@ from typing import Any
 
 from edgert.errors import EdgertError, FileFormatError
 from edgert.manifest import MEMORY_MODES
-from edgert.typed_json import above, at_least, load_dataclass, not_empty, one_of
+from edgert.typed_json import above, at_least, load_dataclass, load_json_file, not_empty, one_of
 
 FORMAT = "edgert-devices"
 FORMAT_VERSION = 1
@@ -108,9 +108,4 @@ def load_devices(path: str | Path) -> DevicesFile:
     path = Path(path)
     if not path.is_file():
         raise FileFormatError(f"{path}: no such devices file (write one with `edgert profile`)")
-    try:
-        return DevicesFile.from_json(json.loads(path.read_text()))
-    except json.JSONDecodeError as error:
-        raise FileFormatError(f"{path}: not valid JSON ({error})") from None
-    except FileFormatError as error:
-        raise FileFormatError(f"{path}: {error}") from None
+    return load_json_file(path, DevicesFile.from_json)

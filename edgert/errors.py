@@ -1,8 +1,7 @@
 """Errors the runtime raises; each carries one line a user can act on.
 
-The CLI prints ``str(error)`` for any :class:`EdgertError` (and any ``OSError``) as one line
-and exits non-zero, instead of a traceback (edgert/cli/__init__.py); other exceptions are bugs
-and keep theirs.
+The CLI prints ``str(error)`` of any :class:`EdgertError` as one ``error:`` line instead of a
+traceback (edgert/cli/__init__.py says which other exceptions it treats so, and the exit codes).
 """
 
 

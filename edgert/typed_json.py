@@ -1,20 +1,23 @@
-"""Strict loading of JSON into (nested) dataclasses: the one routine behind edgert's JSON files.
+"""Strict loading of JSON files into (nested) dataclasses: the routine behind devices.json and checkpoint.json.
 
 Every field is checked against its type hint (``int`` takes no ``"16"``, no ``true``;
 ``float`` takes ints and finite floats; ``tuple[X, ...]`` a list; ``X | None``; nested
 dataclasses), unknown and missing fields are named, and a field may carry a bound in its
 metadata (:func:`at_least`, :func:`above`, :func:`one_of`, :func:`not_empty`). A problem raises
 :class:`~edgert.errors.FileFormatError` naming the path inside the file, e.g.
-``devices[0].blocks[2].forward_ms: expected a number, got 'fast'``.
+``devices[0].blocks[2].forward_ms: expected a number, got 'fast'``; :func:`load_json_file`
+reads the file and puts its name in front.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from edgert.errors import FileFormatError
@@ -67,6 +70,16 @@ def load_dataclass(cls: type[T], data: Any, where: str = "") -> T:
             raise FileFormatError(f"{path} {check[1]}, got {_shown(value)}")
         values[name] = value
     return cls(**values)
+
+
+def load_json_file(path: Path, parse: Callable[[Any], T]) -> T:
+    """``parse`` applied to ``path``'s JSON; bad JSON, or a FileFormatError ``parse`` raises, names the file."""
+    try:
+        return parse(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise FileFormatError(f"{path}: not valid JSON ({error})") from None
+    except FileFormatError as error:
+        raise FileFormatError(f"{path}: {error}") from None
 
 
 def _load(hint: Any, value: Any, path: str) -> Any:

@@ -18,7 +18,7 @@ from onnx import helper
 
 from edgert.exporter.errors import ModelLoadError
 from edgert.exporter.flops import node_flops
-from edgert.exporter.normalise import TrainableGraph
+from edgert.exporter.normalise import TrainableGraph, split_constant_nodes
 from edgert.manifest import BATCH, BoundaryTensor
 
 MIN_AUTO_BLOCKS = 8
@@ -271,16 +271,8 @@ def _describe_blocks(
 
 def _constant_tensors(trainable: TrainableGraph) -> set[str]:
     """Node outputs that depend on no model input, parameter or running statistic."""
-    graph = trainable.graph
-    varying = {i.name for i in _data_inputs(graph)} | set(trainable.parameters) | set(trainable.buffers)
-    constant: set[str] = set()
-    for node in graph.node:
-        outputs = {name for name in node.output if name}
-        if node.input and not any(name in varying for name in node.input):
-            constant |= outputs
-        else:  # a node without inputs (RandomNormal...) varies too
-            varying |= outputs
-    return constant
+    constant, _ = split_constant_nodes(trainable.graph, set(trainable.parameters) | set(trainable.buffers))
+    return {name for node in constant for name in node.output if name}
 
 
 def _describe_cuts(

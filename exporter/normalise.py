@@ -22,7 +22,7 @@ Models exported by others rarely come in training form. This module:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -279,17 +279,10 @@ def _fold_constants(model: onnx.ModelProto, state: set[str]) -> None:
     reference evaluator cannot run it.
     """
     graph = model.graph
-    initializers = {tensor.name: tensor for tensor in graph.initializer}
-    varying = {i.name for i in graph.input if i.name not in initializers} | state
-    folded, kept = [], []
-    for node in graph.node:
-        if node.input and not any(name in varying for name in node.input if name) and _foldable(node):
-            folded.append(node)
-        else:
-            kept.append(node)
-            varying |= set(node.output)
+    folded, kept = split_constant_nodes(graph, state, _foldable)
     if not folded:
         return
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
     produced = {name for node in folded for name in node.output if name}
     needed = [name for name in dict.fromkeys(n for node in kept for n in node.input)
               if name in produced] + [o.name for o in graph.output if o.name in produced]
@@ -300,6 +293,26 @@ def _fold_constants(model: onnx.ModelProto, state: set[str]) -> None:
     del graph.node[:]
     graph.node.extend(kept)
     graph.initializer.extend(numpy_helper.from_array(np.asarray(value), name) for name, value in zip(needed, values))
+
+
+def split_constant_nodes(
+    graph: onnx.GraphProto, state: set[str], counts: Callable[[onnx.NodeProto], bool] = lambda node: True
+) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]]:
+    """``graph``'s nodes in two lists: those computed from constant initializers alone, and the others.
+
+    ``state`` (parameters, running statistics) and the data inputs vary, and so does whatever a
+    node without inputs, or one ``counts`` rejects, computes from anything.
+    """
+    initializers = {tensor.name for tensor in graph.initializer}
+    varying = {i.name for i in graph.input if i.name not in initializers} | state
+    constant, others = [], []
+    for node in graph.node:
+        if node.input and not any(name in varying for name in node.input if name) and counts(node):
+            constant.append(node)
+        else:
+            others.append(node)
+            varying |= set(node.output)
+    return constant, others
 
 
 def _foldable(node: onnx.NodeProto) -> bool:

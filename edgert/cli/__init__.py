@@ -3,13 +3,14 @@
 Each module here registers one family of commands on :data:`main`:
 
 - ``zoo.py``       ``edgert zoo list|build``          (host)
-- ``export.py``    ``edgert export|inspect|check``    (host)
+- ``export.py``    ``edgert export|inspect|check|merge|plan`` (host)
 - ``bench.py``     ``edgert bench ...``               (host)
-- ``runtime.py``   ``edgert worker``, ``edgert train`` (the runtime; no host extra needed for worker)
+- ``runtime.py``   ``edgert worker|train|profile``     (the runtime; no host extra needed for worker)
 - ``demo.py``      ``edgert demo``                    (host)
 - ``keys.py``      ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); security options
 - ``doctor.py``    ``edgert doctor``                   (board: is this device ready to be a worker)
 - ``params.py``    option types that check URLs and codec specs with the library's parsers
+- ``host.py``, ``table.py`` the host-extra check, and the tables and sizes commands print
 
 Every error a user can fix ends the command with one ``error:`` line on stderr and a
 non-zero exit code (2: edgert's errors and bad options, 1: the operating system refused);

@@ -41,6 +41,9 @@ def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_ba
     from edgert.runlog import holds_run, new_run_folder
 
     spec = get_model_spec(model)
+    speeds = [s.strip() for s in slowdowns.split(",")] if slowdowns else None
+    if speeds is not None and len(speeds) != stages:
+        raise click.UsageError(f"--slowdowns gives {len(speeds)} values for {stages} stages")
     if out_dir is None:
         out_dir = new_run_folder(prefix="demo-")
     if holds_run(out_dir):
@@ -53,9 +56,6 @@ def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_ba
     training = TrainingConfig(learning_rate=learning_rate)
     export_plan(model_path, plan, ExportOptions(stages=stages, training=training))
     _say(f"[2/3] exported {stages} stages -> {plan}")
-    speeds = [s.strip() for s in slowdowns.split(",")] if slowdowns else None
-    if speeds is not None and len(speeds) != stages:
-        raise click.UsageError(f"--slowdowns gives {len(speeds)} values for {stages} stages")
     names = [f"local-{k}" for k in range(stages)]
     with tempfile.TemporaryDirectory(prefix="edgert-demo-keys-") as keys:
         credentials = local_cluster_keys(Path(keys), names, cluster="demo")

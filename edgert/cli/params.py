@@ -28,17 +28,19 @@ class CoapUrl(click.ParamType):
 
 
 class CoapUrlList(CoapUrl):
-    """Comma-separated URLs, each checked; kept as written (commands split it)."""
+    """Comma-separated URLs, each checked; returned as a tuple of them, in order."""
 
     name = "URL,..."
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        urls = [url.strip() for url in str(value).split(",") if url.strip()]
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, ...]:
+        if isinstance(value, tuple):  # already converted (click may convert a value twice)
+            return value
+        urls = tuple(url.strip() for url in str(value).split(",") if url.strip())
         if not urls:
             self.fail("no URL given", param, ctx)
         for url in urls:
             super().convert(url, param, ctx)
-        return value
+        return urls
 
 
 class CodecSpec(click.ParamType):

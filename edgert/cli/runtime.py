@@ -152,9 +152,9 @@ async def _serve(worker) -> None:
                    "(PLAN and options come from it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
-def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int | None, batch_size: int,
-                  micro_batches: int, schedule: str, learning_rate: float | None, seed: int, codec: str,
-                  grad_codec: str, threads: int, memory_mode: str, out_dir: Path | None, overwrite: bool,
+def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs: int, steps: int | None,
+                  batch_size: int, micro_batches: int, schedule: str, learning_rate: float | None, seed: int,
+                  codec: str, grad_codec: str, threads: int, memory_mode: str, out_dir: Path | None, overwrite: bool,
                   listen: str | None, keys: Path | None,
                   insecure: bool, advertise: str | None,
                   step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
@@ -168,7 +168,7 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
     if resume_run is not None and (out_dir is not None or overwrite):
         raise click.UsageError("--resume records in the run folder it continues: give no --out or --overwrite")
     if resume_run is not None:
-        config = resumed_config(resume_run, workers.split(",") if workers else None)
+        config = resumed_config(resume_run, list(workers) if workers else None)
         click.echo(f"run folder: {resume_run} (resumed)", err=True)
         if config.keys is None:
             click.echo(INSECURE_WARNING.format(what="the coordinator or a worker"), err=True)
@@ -184,7 +184,7 @@ def train_command(plan: Path, workers: str, data: str, epochs: int, steps: int |
         out_dir = new_run_folder()
         click.echo(f"run folder: {out_dir}", err=True)
     config = TrainConfig(
-        plan_dir=plan, workers=tuple(w.strip() for w in workers.split(",") if w.strip()), out_dir=out_dir,
+        plan_dir=plan, workers=workers, out_dir=out_dir,
         data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
         schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
         forward_threads=threads, backward_threads=threads, listen=listen or default_listen(keys is not None, 0),
@@ -237,7 +237,7 @@ def print_summary(summary, as_json: bool) -> None:
 @click.option("--keys", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Cluster keystore (default $EDGERT_KEYS or ~/.edgert/cluster).")
 @click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
-def profile_command(model: Path, workers: str, out_path: Path, micro_batch: int, repeats: int,
+def profile_command(model: Path, workers: tuple[str, ...], out_path: Path, micro_batch: int, repeats: int,
                     memory_mode: str, keys: Path | None, insecure: bool) -> None:
     """Measure each worker on MODEL's units (forward, backward, memory) and every link between workers."""
     from edgert.cli.host import require_host_extra
@@ -248,8 +248,7 @@ def profile_command(model: Path, workers: str, out_path: Path, micro_batch: int,
     from edgert.exporter.profiling import profile_devices
 
     folder = host_keys(keys, insecure)
-    urls = [w.strip() for w in workers.split(",") if w.strip()]
-    devices = profile_devices(model, urls, micro_batch, repeats, progress=lambda m: click.echo(m, err=True),
+    devices = profile_devices(model, list(workers), micro_batch, repeats, progress=lambda m: click.echo(m, err=True),
                               memory_mode=memory_mode, security=None if folder is None else HostSecurity.open(folder))
     save_devices(devices, out_path)
     for device in devices.devices:

@@ -209,7 +209,3 @@ def test_frozen_initializers_stay_frozen_in_check_and_replanning(skip_model_path
     checked = run("check", plan, "--json")
     assert checked.exit_code == 0 and json.loads(checked.output)["ok"], checked.output
     assert "c.bias" not in Replanner(plan, manifest, tmp_path / "cache").analysis.trainable.parameters
-
-
-def test_a_plan_folder_that_cannot_be_written_is_one_line(skip_model_path):
-    assert_one_line_error(run("export", skip_model_path, "-o", "/proc/nope/"), "/proc/nope: cannot write a plan there")

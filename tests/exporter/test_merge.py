@@ -9,9 +9,7 @@ from click.testing import CliRunner
 
 from edgert.cli import main
 from edgert.coordinator import TrainConfig, train
-from edgert.errors import FileFormatError
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.exporter.merge import merge_run
 from edgert.localcluster import LocalCluster
 from edgert.manifest import load_manifest
 from edgert.models import build_model, load_dataset, save_model
@@ -109,13 +107,6 @@ def test_a_damaged_source_model_is_named(trained_run, tmp_path):
     result = merge_cli(run, tmp_path / "m.onnx")
     assert result.exit_code == 2
     assert f"{source} is damaged or replaced" in result.output and "source_sha256" in result.output
-
-
-def test_merge_refuses_a_checkpoint_step_that_is_not_a_number(trained_run, tmp_path):
-    run = copy_run(trained_run, tmp_path)
-    (run / "checkpoints" / "latest" / "checkpoint.json").write_text('{"step": "x"}')
-    with pytest.raises(FileFormatError, match="checkpoint.json: step: expected an integer, got 'x'"):
-        merge_run(run, tmp_path / "m.onnx")
 
 
 def test_an_output_that_cannot_be_written_is_one_line(trained_run):

@@ -135,6 +135,8 @@ def test_torch_export_either_way_trains_in_1_to_3_stages(exported, tmp_path, mod
     manifest = export_plan(exported(model, way), tmp_path / "plan", ExportOptions(stages=stages), notes.append)
     assert len(manifest.stages) == stages
     assert all(any(p.trainable for p in s.parameters) for s in manifest.stages), notes
+    if model == "transformer":
+        assert manifest.model_input[0].dtype == "int64"  # the token ids stay integers
     if model == "resnet":  # BatchNorm trains as BatchNorm from a training-mode export, as folded convolutions else
         assert any(s.buffer_updates for s in manifest.stages) == (way == "training")
     report = check_plan(tmp_path / "plan")

@@ -59,3 +59,6 @@ def test_a_missing_or_unparsable_file_is_named(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(EdgertError, match="broken.json: not valid JSON"):
         load_devices(tmp_path / "broken.json")
+    (tmp_path / "binary.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")  # a file that is not text at all
+    with pytest.raises(FileFormatError, match="binary.json: not valid JSON"):
+        load_devices(tmp_path / "binary.json")
