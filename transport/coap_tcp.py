@@ -178,7 +178,8 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         return None if self._screen is None else self._screen(self, request)
 
     def send_signal(self, message: Message) -> None:
-        """Send ``message`` now if the connection is open (refusals, Ping); a diagnostic is cut to fit the peer."""
+        """Send ``message`` now if the connection is open (refusals, Ping, fast-path responses); a message
+        larger than the peer takes (a diagnostic: larger successes go blockwise) is cut to fit."""
         if self.is_open:
             if not self.fits(message):
                 message.payload = bytes(message.payload[:self.maximum_payload_size])
