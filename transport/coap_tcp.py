@@ -9,9 +9,10 @@ cannot bind port 0 and binds with SO_REUSEPORT. This module subclasses it to:
   BERT blocks from aiocoap's blockwise layer, which reads the peer's CSM);
 - receive each payload straight into its own ``bytearray``: the connection is an
   :class:`asyncio.BufferedProtocol`, so the socket writes a large payload into it
-  (``recv_into``); the buffer grows with the bytes that arrived, a request is screened from
-  its head before its payload is stored, and a server bounds what peers without a verified
-  credential can hold (:mod:`~edgert.transport.frame_reader`, :mod:`~edgert.transport.guard`);
+  (``recv_into``); an unverified peer's payload arrives in chunks that grow with the bytes
+  (joined once complete), a request is screened from its head before its payload is stored,
+  and a server bounds what peers without a verified credential can hold
+  (:mod:`~edgert.transport.frame_reader`, :mod:`~edgert.transport.guard`);
 - send the head and each large payload piece as separate writes (no join copy);
   an envelope's tensor data goes to the socket from the arrays themselves;
 - answer an over-size request with 4.13 (and Size1) and skip its bytes instead of
@@ -177,7 +178,8 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         return None if self._screen is None else self._screen(self, request)
 
     def send_signal(self, message: Message) -> None:
-        """Send ``message`` now if the connection is open (refusals, Ping); a diagnostic is cut to fit the peer."""
+        """Send ``message`` now if the connection is open (refusals, Ping, fast-path responses); a message
+        larger than the peer takes (a diagnostic: larger successes go blockwise) is cut to fit."""
         if self.is_open:
             if not self.fits(message):
                 message.payload = bytes(message.payload[:self.maximum_payload_size])

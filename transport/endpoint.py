@@ -115,7 +115,7 @@ class Endpoint(resource.Resource):
             allowed = ", ".join(sorted(self.handlers))
             raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
                                    f"/{self.path} (allowed: {allowed})")
-        peer = identity_of(message.remote)
+        peer = _identity(message.remote)
         allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
         if allowed is not None and peer.role not in allowed:
             raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
@@ -136,7 +136,7 @@ class Endpoint(resource.Resource):
         content_format = message.opt.content_format
         request = Request(method=method.name, path=self.path, payload=payload,
                           content_format=None if content_format is None else int(content_format),
-                          query=query_of(message), peer=peer_name(message), identity=peer)
+                          query=_query(message), peer=peer_name(message), identity=peer)
         if self.envelope:
             if payload:
                 request.envelope = decode_envelope(payload, limits)
@@ -171,12 +171,12 @@ class ObservableEndpoint(Endpoint, resource.ObservableResource):
     """An :class:`Endpoint` that accepts RFC 7641 observations on GET."""
 
 
-def identity_of(remote: Any) -> PeerIdentity | None:
+def _identity(remote: Any) -> PeerIdentity | None:
     """Who sent a request, as TLS or OSCORE authenticated it (None: nobody or plaintext)."""
     return remote.peer if isinstance(remote, (LargeTcpConnection, OscoreAddress)) else None
 
 
-def query_of(message: Message) -> dict[str, str]:
+def _query(message: Message) -> dict[str, str]:
     result = {}
     for item in message.opt.uri_query:
         key, _, value = item.partition("=")

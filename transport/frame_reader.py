@@ -6,11 +6,11 @@ A :class:`FrameReader` cuts a connection's byte stream into messages:
   frame longer than this endpoint's Max-Message-Size is answered 4.13; both are skipped unread;
 - a request's head goes to the connection's screen before any payload byte is stored; a
   refused request (4.01, 4.03, 4.04 ...) is answered from its head and its payload skipped;
-- an accepted payload from a peer without a verified credential is received into a buffer that
-  starts at :data:`FIRST_BUFFER` bytes and grows :data:`GROWTH`-fold as bytes arrive, never past
-  the declared length: a head declaring 60 MiB costs 64 KiB. A verified peer's payload buffer
-  is allocated whole when its head arrives (each growth costs a reallocation and fresh page
-  faults: docs/PROTOCOL.md section 11 has what that costs a large plaintext payload);
+- an accepted payload from a peer without a verified credential is received into chunks: the
+  first of :data:`FIRST_BUFFER` bytes, each next one making the room :data:`GROWTH`-fold as bytes
+  arrive, never past the declared length (a head declaring 60 MiB costs 64 KiB); the chunks are
+  joined once, when the last byte arrived. A verified peer's payload buffer is allocated whole
+  when its head arrives (docs/PROTOCOL.md section 11 has what the join costs a large payload);
 - with a :class:`~edgert.transport.guard.Budget` (a server's peers without a verified credential)
   every byte of buffer is charged to it; a frame that cannot be charged is answered 5.03 and skipped.
 
@@ -21,7 +21,7 @@ The socket writes payload bytes straight into the buffer (``recv_into``, via the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiocoap import Message
@@ -41,7 +41,7 @@ SCRATCH = 64 * 1024
 #: An unverified peer's payload buffer starts this large (or at the payload's size, if smaller) ...
 FIRST_BUFFER = 64 * 1024
 
-#: ... and grows this many times larger each time it is full, up to the payload's size.
+#: ... and each next chunk makes the room this many times larger, up to the payload's size.
 GROWTH = 4
 
 #: Seconds a peer refused for lack of buffer space is told to wait before retrying (Max-Age of the 5.03).
@@ -77,10 +77,12 @@ class _Fill:
     """A payload being received."""
 
     message: Message
-    payload: bytearray
     size: int  # the declared payload length
-    filled: int = 0
-    charged: int = 0  # bytes of ``payload`` charged to the budget
+    payload: bytearray = field(default_factory=bytearray)  # the chunk being received into
+    filled: int = 0  # bytes received into ``payload``
+    full: list[bytearray] = field(default_factory=list)  # the chunks received before ``payload``
+    full_bytes: int = 0  # bytes in ``full``
+    charged: int = 0  # bytes of the chunks charged to the budget
 
 
 class FrameReader:
@@ -118,13 +120,10 @@ class FrameReader:
         """Where the next received bytes go: the free part of the payload buffer, or the scratch buffer."""
         fill = self._fill
         if fill is not None:
-            grown = fill.filled < len(fill.payload) or self._grow(fill, 1, copy=False)
-            if grown:
+            if fill.filled < len(fill.payload) or self._grow(fill, 1):
                 self._direct = True
                 return memoryview(fill.payload)[fill.filled:]
-            if grown is False:
-                self._abandon(fill)
-            # None: a view of the payload is still held (Python 3.10 feeds TLS data so); the scratch takes these
+            self._abandon(fill)
         self._direct = False
         if self._scratch is None:  # closed: bytes still in flight go nowhere
             self._scratch = memoryview(bytearray(SCRATCH))
@@ -137,7 +136,7 @@ class FrameReader:
             self.feed(self._scratch[:nbytes])
             return
         fill.filled += nbytes
-        if fill.filled == fill.size:
+        if fill.full_bytes + fill.filled == fill.size:
             self._complete(fill)
 
     def feed(self, data: bytes | memoryview) -> None:
@@ -159,7 +158,7 @@ class FrameReader:
                 fill.payload[fill.filled : fill.filled + step] = view[:step]
                 fill.filled += step
                 view = view[step:]
-                if fill.filled == fill.size and not self._complete(fill):
+                if fill.full_bytes + fill.filled == fill.size and not self._complete(fill):
                     return
                 continue
             self._head += view
@@ -234,7 +233,7 @@ class FrameReader:
         """Begin receiving the payload at ``self._head[start:total]``; False if the connection ended."""
         size = total - start
         have = min(len(self._head), total) - start
-        fill = _Fill(message, bytearray(), size)
+        fill = _Fill(message, size)
         if not self._grow(fill, size if self.trusted else max(have, 1)):
             self._skip(total)
             return self._refuse_payload(fill)
@@ -266,37 +265,25 @@ class FrameReader:
 
     # -- payloads ----------------------------------------------------------------------
 
-    def _grow(self, fill: _Fill, want: int, copy: bool = True) -> bool | None:
-        """Make room for ``want`` more bytes (at least GROWTH-fold, at most the declared size).
-
-        False: the budget cannot pay for it. None: a view of the payload is still held and
-        ``copy`` is False (a copy would be needed to grow it). Nothing changes in either case.
-        """
-        capacity = len(fill.payload)
-        grown = min(fill.size, max(FIRST_BUFFER, GROWTH * capacity, fill.filled + want))
-        extra = grown - capacity
+    def _grow(self, fill: _Fill, want: int) -> bool:
+        """Start the next chunk, with room for ``want`` more bytes (room at least GROWTH-fold, at
+        most the declared size), once ``fill.payload`` is full; False (nothing changes): the budget
+        cannot pay for it."""
+        capacity = fill.full_bytes + len(fill.payload)
+        extra = min(fill.size, max(FIRST_BUFFER, GROWTH * capacity, capacity + want)) - capacity
         if self.budget is not None and not self.budget.charge(extra):
             return False
-        if capacity:
-            times = -(-grown // capacity)  # repeating in place reallocates without a temporary of zeros
-            try:
-                fill.payload *= times
-            except BufferError:
-                if not copy:
-                    if self.budget is not None:
-                        self.budget.release(extra)
-                    return None
-                fill.payload = fill.payload * times
-            del fill.payload[grown:]
-        else:
-            fill.payload = bytearray(grown)
+        if fill.payload:
+            fill.full.append(fill.payload)
+            fill.full_bytes += fill.filled
+        fill.payload, fill.filled = bytearray(extra), 0
         fill.charged += extra
         return True
 
     def _abandon(self, fill: _Fill) -> bool:
         """Stop receiving a payload the budget cannot hold: skip its remaining bytes and refuse it."""
         self._fill = None
-        self._discard = fill.size - fill.filled
+        self._discard = fill.size - fill.full_bytes - fill.filled
         return self._refuse_payload(fill)
 
     def _refuse_payload(self, fill: _Fill) -> bool:
@@ -318,7 +305,7 @@ class FrameReader:
     def _complete(self, fill: _Fill) -> bool:
         self._fill = None
         self._release(fill)
-        fill.message.payload = fill.payload
+        fill.message.payload = bytearray().join([*fill.full, fill.payload]) if fill.full else fill.payload
         return self._sink.deliver(fill.message)
 
     def _release(self, fill: _Fill) -> None:

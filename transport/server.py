@@ -274,22 +274,18 @@ class TensorServer:
             response = _not_found(message.opt.uri_path).to_message()
         else:
             response = await endpoint.render(message)
-        if not connection.fits(response):  # larger than the peer takes in one message
-            if endpoint is not None and response.code.is_successful():
-                ready = response  # serve Block2 like aiocoap does
+        if endpoint is not None and response.code.is_successful() and not connection.fits(response):
+            ready = response  # larger than the peer takes in one message: serve Block2 like aiocoap does
 
-                async def rendered() -> Message:
-                    return ready
+            async def rendered() -> Message:
+                return ready
 
-                response = await endpoint._block2.extract_or_insert(message, rendered)
-            else:  # a diagnostic: shortened to fit
-                response.payload = bytes(response.payload[:connection.maximum_payload_size])
+            response = await endpoint._block2.extract_or_insert(message, rendered)
         response.token = message.token
-        if connection.is_open:
-            try:
-                connection._send_message(response)
-            except aiocoap.error.NetworkError:
-                log.info("peer %s left before its response", peer_name(message))
+        try:
+            connection.send_signal(response)  # a diagnostic too large for the peer is shortened to fit
+        except aiocoap.error.NetworkError:
+            log.info("peer %s left before its response", peer_name(message))
 
     async def __aenter__(self) -> TensorServer:
         return await self.start()

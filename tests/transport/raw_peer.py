@@ -12,6 +12,7 @@ from aiocoap.optiontypes import BlockOption
 from aiocoap.transports.tcp import _decode_message, _serialize
 
 from edgert.transport.framing import _frame_length, serialize_head
+from edgert.transport.urls import parse_url
 
 
 def frame(code: Code, token: bytes = b"\x01", path: tuple[str, ...] = ("echo",), payload: bytes = b"",
@@ -62,9 +63,8 @@ class RawPeer:
 
     def __init__(self, url: str, *, tls: ssl.SSLContext | None = None, max_message_size: int = 1 << 20,
                  blockwise: bool = False, send_csm: bool = True, timeout: float = 10.0) -> None:
-        host, port = url.split("://")[1].rsplit(":", 1)
-        host = host.strip("[]")
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        _, host, port = parse_url(url)
+        sock = socket.create_connection((host, port), timeout=timeout)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=host if tls.check_hostname else None)
         self.sock = sock
