@@ -188,7 +188,7 @@ def test_a_replayed_epoch_end_is_printed_and_read_once_and_spans_keep_their_work
     assert steps == list(range(outcome.result.steps))
     trace = json.loads((out / "trace.json").read_text())
     tracks = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
-    assert sorted(tracks.values()) == ["local-0", "local-1", "local-2", "local-3"]
+    assert sorted(tracks.values()) == ["events", "local-0", "local-1", "local-2", "local-3"]
     victim = [int(e["name"][1:].split(".")[0]) for e in trace
               if e.get("ph") == "X" and tracks[e["tid"]] == "local-2" and e["name"][0] in "FBS"]
     assert victim and max(victim) <= outcome.kill.step + 8  # nothing the survivors ran after the kill
