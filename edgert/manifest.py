@@ -63,6 +63,19 @@ class BoundaryTensor:
         """The concrete shape of this tensor for a batch of ``batch`` samples."""
         return tuple(batch if dim == BATCH else int(dim) for dim in self.shape)
 
+    def mismatch(self, value: Any) -> str | None:
+        """Why ``value`` is not this tensor ("has dtype ..., expected ..." or the shape's), or None if it is."""
+        if not isinstance(value, np.ndarray) or value.dtype != np.dtype(self.dtype):
+            return f"has dtype {getattr(value, 'dtype', type(value).__name__)}, expected {self.dtype}"
+        if len(value.shape) != len(self.shape) or any(
+                d != BATCH and int(d) != n for d, n in zip(self.shape, value.shape)):
+            return f"has shape {list(value.shape)}, expected {list(self.shape)}"
+        return None
+
+    def batch_sizes(self, value: np.ndarray) -> set[int]:
+        """The sizes ``value`` has along this tensor's batch dimensions."""
+        return {n for d, n in zip(self.shape, value.shape) if d == BATCH}
+
     def sample(self, rng: np.random.Generator, batch: int, bound: int = 2) -> np.ndarray:
         """Random values of this tensor for ``batch`` samples: normal floats, or integers in ``[0, bound)``."""
         shape = self.shape_for(batch)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgert.errors import StageError
-from edgert.manifest import BATCH, MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig
+from edgert.manifest import MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig
 from edgert.optimizer import FlatParameters, Optimizer, StateDict, make_optimizer
 from edgert.ort_import import onnxruntime
 from edgert.providers import DEFAULT_PROVIDERS, confirm_loaded
@@ -284,15 +284,10 @@ class StageSession:
             if spec.name not in values:
                 raise StageError(f"stage {self.entry.index}: missing input {spec.name!r}")
             value = values[spec.name]
-            if not isinstance(value, np.ndarray) or value.dtype != np.dtype(spec.dtype):
-                got = getattr(value, "dtype", type(value).__name__)
-                raise StageError(f"stage {self.entry.index}: input {spec.name!r} has dtype {got}, "
-                                 f"expected {spec.dtype}")
-            if len(value.shape) != len(spec.shape) or any(
-                    d != BATCH and int(d) != n for d, n in zip(spec.shape, value.shape)):
-                raise StageError(f"stage {self.entry.index}: input {spec.name!r} has shape {list(value.shape)}, "
-                                 f"expected {list(spec.shape)}")
-            batches.update(n for d, n in zip(spec.shape, value.shape) if d == BATCH)
+            problem = spec.mismatch(value)
+            if problem is not None:
+                raise StageError(f"stage {self.entry.index}: input {spec.name!r} {problem}")
+            batches.update(spec.batch_sizes(value))
             feeds[spec.name] = np.ascontiguousarray(value)
         if len(batches) > 1:
             raise StageError(f"stage {self.entry.index}: inputs disagree on the batch size: {sorted(batches)}")

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
-
 from edgert.executor import MicroBatch
 from edgert.inbox import InboxFull
-from edgert.manifest import BATCH as BATCH_DIM
 from edgert.manifest import BoundaryTensor
 from edgert.protocol import ACT, BATCH, LABELS, Peers, Segment
 from edgert.transport import BadRequest, Envelope, Request, ServiceUnavailable
@@ -143,12 +140,10 @@ def check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str,
     batches: set[int] = set()
     for spec in expected:
         array = envelope.tensors[spec.name]
-        if array.dtype != np.dtype(spec.dtype):
-            raise BadRequest(f"/{path}: tensor {spec.name!r} has dtype {array.dtype}, expected {spec.dtype}")
-        shape = list(array.shape)
-        if len(shape) != len(spec.shape) or any(d != BATCH_DIM and int(d) != n for d, n in zip(spec.shape, shape)):
-            raise BadRequest(f"/{path}: tensor {spec.name!r} has shape {shape}, expected {list(spec.shape)}")
-        batches.update(n for d, n in zip(spec.shape, shape) if d == BATCH_DIM)
+        problem = spec.mismatch(array)
+        if problem is not None:
+            raise BadRequest(f"/{path}: tensor {spec.name!r} {problem}")
+        batches.update(spec.batch_sizes(array))
     if len(batches) > 1 or 0 in batches:
         raise BadRequest(f"/{path}: tensors have batch sizes {sorted(batches)}; expected one, at least 1")
     if batch is not None and batches and batches != {batch}:
