@@ -189,16 +189,16 @@ class Worker(InputResources, StateResources, MeasureResources):
     def _register_resources(self) -> None:
         server = self.server
         boss = (COORDINATOR_ROLE,)  # over TLS, only the coordinator may command a worker
-        server.add_observable(HEALTH, rt="edgert.health", get=_no_payload(self._on_health), title="worker health")
+        server.add_observable(HEALTH, rt="edgert.health", get=self._on_health, title="worker health")
         server.add_resource(STAGE, put=self._on_stage, rt="edgert.stage", kinds=("stage",), roles=boss)
         server.add_resource(RUN, post=self._on_run, rt="edgert.run", kinds=("control",), roles=boss)
         server.add_resource(BATCH, post=self._on_batch, rt="edgert.batch", kinds=("batch",), roles=boss)
         server.add_resource(STOP, post=self._on_stop, rt="edgert.stop", envelope=False, roles=boss)
-        server.add_resource(WEIGHTS, get=_no_payload(self._on_weights_get), put=self._on_weights_put,
+        server.add_resource(WEIGHTS, get=self._on_weights_get, put=self._on_weights_put,
                             fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("weights", "control"),
                             roles={"GET": boss, "PUT": boss})
         server.add_resource(MIGRATE, post=self._on_migrate, rt="edgert.migrate", kinds=("control",), roles=boss)
-        server.add_resource(REPLICA, put=self._on_replica_put, get=_no_payload(self._on_replica_get),
+        server.add_resource(REPLICA, put=self._on_replica_put, get=self._on_replica_get,
                             rt="edgert.replica", kinds=("weights",), roles={"GET": boss})
         server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",), roles=boss)
         server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",), roles=boss)
@@ -457,12 +457,3 @@ class Worker(InputResources, StateResources, MeasureResources):
         envelope = Envelope(kind=DATA_KINDS[path], run_id=self.assignment.run_id, step=key[0], microbatch=key[1],
                             stage=self.assignment.entry.index + direction, tensors=tensors)
         self.outbox.submit(url, path, envelope, codec)
-
-
-def _no_payload(handler):
-    """A GET takes no payload: one is refused (4.00), not ignored."""
-    async def handle(request: Request):
-        if request.payload:
-            raise BadRequest(f"{request.method} /{request.path} takes no payload; got {len(request.payload)} bytes")
-        return await handler(request)
-    return handle

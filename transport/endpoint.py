@@ -133,6 +133,8 @@ class Endpoint(resource.Resource):
         if len(payload) > limits.max_payload_bytes:
             raise TooLarge(f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}",
                            size1=limits.max_payload_bytes)
+        if payload and method == Code.GET:  # refused, not ignored: the sender meant something by it
+            raise BadRequest(f"GET /{self.path} takes no payload; got {len(payload)} bytes")
         content_format = message.opt.content_format
         request = Request(method=method.name, path=self.path, payload=payload,
                           content_format=None if content_format is None else int(content_format),
