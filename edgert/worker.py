@@ -365,12 +365,12 @@ class Worker(InputResources, StateResources, MeasureResources):
     def _compute_loop(self) -> None:
         while True:
             self._idle.set()
-            item = self._next_window()
-            self._idle.clear()
-            if item is None:
-                return
-            window, ends_segment = item
-            try:
+            try:  # waiting for a window flushes reports, which may raise an earlier send's failure
+                item = self._next_window()
+                self._idle.clear()
+                if item is None:
+                    return
+                window, ends_segment = item
                 self.executor.run_window(window, on_step=self._step_done)
                 if ends_segment:
                     self._flush_reports()
