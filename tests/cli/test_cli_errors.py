@@ -22,7 +22,7 @@ from edgert.exporter.keystore import local_cluster_keys
 from edgert.exporter.replanner import Replanner
 from edgert.localcluster import LocalCluster
 from edgert.manifest import load_manifest
-from edgert.models import build_model, save_model
+from tests.zoo_plans import zoo_plan
 
 INSECURE_WARNING = "WARNING: --insecure"
 
@@ -51,8 +51,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, 
 def folder(tmp_path_factory) -> Path:
     """The zoo mlp and its 2-stage plan."""
     folder = tmp_path_factory.mktemp("cli")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=2))
+    zoo_plan(folder, 2)
     return folder
 
 

@@ -24,12 +24,11 @@ import numpy as np
 import pytest
 
 from edgert.coordinator import TrainConfig, train
-from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.keystore import local_cluster_keys
 from edgert.fault_injection import MetricsTail
 from edgert.localcluster import LocalCluster
-from edgert.models import build_model, save_model
 from tests.running_coordinator import final_parameters, free_port
+from tests.zoo_plans import zoo_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,10 +40,7 @@ KILL_ONE_AT, KILL_TWO_AT, KILL_COORDINATOR_AT, KILL_AFTER_RESUME_AT = 25, 55, 85
 
 @pytest.fixture(scope="module")
 def plan3(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("soak")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=3))
-    return folder / "plan"
+    return zoo_plan(tmp_path_factory.mktemp("soak"), 3)
 
 
 def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from edgert.exporter.keystore import Keystore, local_cluster_keys
 from edgert.transport.tls import TlsCredentials
+from tests.zoo_plans import zoo_plan
 
 
 @dataclass
@@ -52,11 +53,4 @@ def cluster(tmp_path_factory) -> Cluster:
 @pytest.fixture(scope="session")
 def mlp_plan3(tmp_path_factory) -> Path:
     """The zoo's mlp exported into 3 stages (default training settings)."""
-    from edgert.exporter.export import ExportOptions, export_plan
-    from edgert.manifest import TrainingConfig
-    from edgert.models import build_model, save_model
-
-    folder = tmp_path_factory.mktemp("mlp-plan3")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=3, training=TrainingConfig()))
-    return folder / "plan"
+    return zoo_plan(tmp_path_factory.mktemp("mlp-plan3"), 3)

@@ -28,7 +28,7 @@ from edgert.transport.errors import Forbidden, TooLarge, Unauthorized
 from edgert.transport.limits import MiB
 from edgert.transport.tls import OscoreRoot, read_oscore
 from tests.resident_memory import resident_bytes
-from tests.security.plans import mlp_plan
+from tests.zoo_plans import zoo_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -38,7 +38,7 @@ FUZZ_REQUESTS = 10_000
 
 @pytest.fixture(scope="module")
 def plan3(tmp_path_factory) -> Path:
-    return mlp_plan(tmp_path_factory.mktemp("secure"), 3)
+    return zoo_plan(tmp_path_factory.mktemp("secure"), 3)
 
 
 @pytest.fixture(scope="module")

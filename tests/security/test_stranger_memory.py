@@ -21,8 +21,8 @@ from edgert.transport import Limits, Request, Response, TensorClient, TensorServ
 from edgert.transport.errors import Unauthorized
 from edgert.transport.limits import MiB
 from tests.resident_memory import resident_bytes
-from tests.security.plans import mlp_plan
 from tests.transport.raw_peer import RawPeer, anonymous_tls, head
+from tests.zoo_plans import zoo_plan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +35,7 @@ STEPS = 6  # within the coordinator's lookahead (8): a fast one-stage run can st
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory) -> Path:
-    return mlp_plan(tmp_path_factory.mktemp("stranger-plan"), 1)
+    return zoo_plan(tmp_path_factory.mktemp("stranger-plan"), 1)
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["coap+tcp", "coaps+tcp-without-certificate"])
