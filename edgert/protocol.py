@@ -30,9 +30,8 @@ import numpy as np
 
 from edgert import meta_fields as fields
 from edgert.errors import EdgertError
-from edgert.executor import MicroBatch, StepReport, Window, split_batch
 from edgert.manifest import MEMORY_MODES, StageEntry, TrainingConfig, stage_from_json, stage_to_json
-from edgert.schedule import SCHEDULES
+from edgert.schedule import SCHEDULES, MicroBatch, Window, split_batch
 from edgert.transport import BadRequest, Envelope, get_codec
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
@@ -41,7 +40,34 @@ ACT, GRAD, LABELS = "act", "grad", "labels"
 DATA_KINDS = {ACT: "activations", GRAD: "gradients"}
 SELF = "self"  # a migration source meaning "the state this worker held itself"
 MAX_REASON_BYTES = 1024  # a /stop reason
+INBOX_CAPACITY = 256  # messages a worker's inbox holds; the coordinator feeds no further ahead than fits
 MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one window per step)
+
+
+@dataclass
+class StepReport:
+    """What one stage did in one optimizer step."""
+
+    step: int
+    stage: int
+    samples: int = 0
+    loss_sum: float = 0.0
+    correct: int | None = None
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    idle_ms: float = 0.0
+    send_ms: float = 0.0
+    slowdown_ms: float = 0.0
+    replication_ms: float = 0.0
+    replicated_bytes: int = 0
+    started: float = 0.0
+    finished: float = 0.0
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms + self.optimizer_ms
 
 
 T = TypeVar("T")

@@ -108,7 +108,7 @@ class CopyStore:
 
 def held_stages(stage: int, stages: int, replicas: int) -> set[int]:
     """The stages whose copies the worker of ``stage`` keeps: the ``replicas`` before it in the ring
-    (first -> ... -> last -> first), as :func:`edgert.assignment.ring_neighbours` sends them."""
+    (first -> ... -> last -> first), as :func:`edgert.coordinator.assignment.ring_neighbours` sends them."""
     return {(stage - k) % stages for k in range(1, min(replicas, stages - 1) + 1)}
 
 

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from edgert.errors import EdgertError
 
 SCHEDULES = ("gpipe", "1f1b", "async")
 SYNCHRONOUS = ("gpipe", "1f1b")
+Key = tuple[int, int]  # (step, micro-batch index within the step)
 
 
 @dataclass(frozen=True)
@@ -156,3 +159,43 @@ def _check(kind: str, stage: int, stages: int, microbatches: int) -> None:
         raise EdgertError(f"stage {stage} is not in 0..{stages - 1}")
     if microbatches < 1:
         raise EdgertError(f"micro-batches must be at least 1 (got {microbatches})")
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a window: which step it belongs to, its size and loss scale."""
+
+    step: int
+    index: int
+    size: int
+    loss_scale: float
+
+    @property
+    def key(self) -> Key:
+        return (self.step, self.index)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Work the coordinator hands a stage: micro-batches under one schedule.
+
+    Synchronous schedules: one step (all micro-batches share ``step``). ``async``: each
+    micro-batch is its own step, and the pipeline drains only at the end of the window.
+    """
+
+    schedule: str
+    stages: int
+    microbatches: tuple[MicroBatch, ...]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({m.step for m in self.microbatches})
+
+
+
+
+def split_batch(step: int, batch_size: int, microbatches: int) -> list[MicroBatch]:
+    """Micro-batches of one synchronous step; sizes differ by at most one sample."""
+    bounds = np.linspace(0, batch_size, min(microbatches, batch_size) + 1).astype(int)
+    return [MicroBatch(step, i, int(b - a), float(b - a) / batch_size)
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]

@@ -20,10 +20,10 @@ Map of the package (docs/EXPORTER.md; the plan format is docs/MANIFEST.md):
 - ``check.py``      :func:`check_plan`: chained stages against the unsplit model
 - ``check_portable.py`` each stage's portable graphs against the training build's, both memory modes
 - ``merge.py``      :func:`merge_run`: a run's trained stages back into one ONNX model
-- ``profiling.py``  :func:`profile_devices`: ``edgert profile``, units on workers, links
+- ``coordinator/profiling.py``  :func:`profile_devices`: ``edgert profile``, units on workers, links
 - ``predictor*.py`` :class:`LatencyPredictor`: block times from op features, learnt online
 - ``planner*.py``   :func:`plan`: cuts, device order, groups, codecs, threads (docs/PLANNER.md)
-- ``replanner.py``  :class:`Replanner`: measured times -> device costs -> a better placement
+- ``exporter/planner/replanner.py``  :class:`Replanner`: measured times -> device costs -> a better placement
 - ``placement.py``  :func:`plan_for_devices`: ``edgert plan``
 - ``errors.py``     :class:`ExportError` and its kinds
 

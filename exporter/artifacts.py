@@ -41,11 +41,11 @@ from edgert.exporter.loss import (
     add_real_loss,
     add_vjp_loss,
 )
+from edgert.exporter.ort_training import gradient_builder, onnxblock, training_graph_utils
 from edgert.exporter.portable import make_portable, tensor_types
 from edgert.exporter.slice import StageGraph, value_info_of
 from edgert.exporter.stash import split_for_stashing
 from edgert.manifest import BoundaryTensor, TrainingConfig
-from edgert.ort_training import gradient_builder, onnxblock, training_graph_utils
 from edgert.weights import StageState, save_state
 
 INPUT_GRADIENT_SUFFIX = "__dinput"

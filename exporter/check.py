@@ -26,11 +26,11 @@ from edgert.exporter.check_portable import (
     training_build_gaps,
 )
 from edgert.exporter.normalise import TrainableGraph, frozen_in, normalise
+from edgert.exporter.ort_training import artifacts as ort_artifacts
+from edgert.exporter.ort_training import native_stderr_silenced, onnxblock, training_api
 from edgert.exporter.source import from_model_proto
 from edgert.manifest import Manifest, load_manifest
 from edgert.optimizer import FlatParameters, make_optimizer
-from edgert.ort_training import artifacts as ort_artifacts
-from edgert.ort_training import native_stderr_silenced, onnxblock, training_api
 
 DEFAULT_TOLERANCE = 1e-4
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from edgert.exporter.ort_training import training_api
 from edgert.manifest import MEMORY_MODES, Manifest, StageEntry
-from edgert.ort_training import training_api
 from edgert.stage import StageSession
 
 PORTABLE_TOLERANCE = 1e-5

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from edgert.coordinator import Coordinator, TrainConfig
+from edgert.coordinator.coordinator import Coordinator, TrainConfig
 from edgert.weights import load_state
 
 

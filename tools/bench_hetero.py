@@ -36,18 +36,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgert.coordinator import TrainConfig, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.profiling import profile_devices
+from edgert.coordinator.runlog import read_metrics
 from edgert.devices import save_devices
 from edgert.exporter.cuts import balanced_cuts
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
-from edgert.exporter.planner import plan
-from edgert.exporter.profiling import profile_devices
-from edgert.exporter.replanner import Replanner
+from edgert.exporter.planner.replanner import Replanner
+from edgert.exporter.planner.solver import plan
 from edgert.exporter.source import load_source_model
-from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
-from edgert.runlog import read_metrics
 
 SPREAD = (1, 2, 5, 10)
 

@@ -36,13 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
-from edgert.coordinator import TrainConfig, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.localcluster import LocalCluster
+from edgert.exporter.ort_training import training_api
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, get_model_spec, load_dataset, save_model
-from edgert.ort_training import training_api
-from edgert.runlog import read_metrics
 from edgert.schedule import simulate
 
 

@@ -6,11 +6,11 @@ the first step after recovery and the steps replayed; the same failure handled b
 stopping everything and restarting from the coordinator's snapshot; the throughput lost
 to replication; the test accuracy after a kill against an undisturbed run; and two
 simultaneous failures (non-adjacent with 1 replica, adjacent with 2). See
-edgert/recovery_bench.py for what each figure is exactly.
+edgert/bench/recovery.py for what each figure is exactly.
 
 Usage: python tools/bench_recovery.py [--json] [--steps 100] [--kill-at 50] [--replicate-every 20]
        [--repeats 3] [--keep DIR]
-(runs ``edgert bench recovery``, edgert/cli/bench.py; the implementation is edgert.recovery_bench).
+(runs ``edgert bench recovery``, edgert/cli/bench.py; the implementation is edgert.bench.recovery).
 """
 
 from edgert.cli.bench import recovery

@@ -29,7 +29,7 @@ def bench() -> None:
 @click.option("--codecs/--no-codecs", default=True, help="Measure the compression codecs.")
 def transport(as_json: bool, sizes: str, udp_max: str, repeat: float, strategies: bool, codecs: bool) -> None:
     """Raw TCP vs coap+tcp vs coap (UDP), large-message strategies and codecs."""
-    from edgert.transport import bench as transport_bench
+    from edgert.bench import transport as transport_bench
 
     try:
         config = transport_bench.BenchConfig(
@@ -69,7 +69,7 @@ def recovery(as_json: bool, **options) -> None:
     from edgert.cli.host import require_host_extra
 
     require_host_extra("bench recovery")
-    from edgert import recovery_bench
+    from edgert.bench import recovery as recovery_bench
 
     result = recovery_bench.run(recovery_bench.config_from(options))
     click.echo(json.dumps(result) if as_json else recovery_bench.format_table(result))

@@ -32,13 +32,13 @@ def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_ba
     """Build a zoo model, cut it into stages, train it on local workers, report."""
     require_host_extra("demo")
     from edgert.cli.runtime import print_summary
-    from edgert.coordinator import TrainConfig, train
+    from edgert.coordinator.coordinator import TrainConfig, train
+    from edgert.coordinator.localcluster import LocalCluster
+    from edgert.coordinator.runlog import holds_run, new_run_folder
     from edgert.exporter.export import ExportOptions, export_plan
-    from edgert.exporter.keystore import local_cluster_keys
-    from edgert.localcluster import LocalCluster
     from edgert.manifest import TrainingConfig
     from edgert.models import build_model, get_model_spec, save_model
-    from edgert.runlog import holds_run, new_run_folder
+    from edgert.security.keystore import local_cluster_keys
 
     spec = get_model_spec(model)
     speeds = [s.strip() for s in slowdowns.split(",")] if slowdowns else None

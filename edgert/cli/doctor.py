@@ -1,4 +1,4 @@
-"""``edgert doctor``: is this board ready to be a worker (edgert.readiness)."""
+"""``edgert doctor``: is this board ready to be a worker (edgert.worker.readiness)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from edgert.transport.coap_tcp import DEFAULT_PORT
 def doctor_command(providers: str, credential: Path | None, port: int, workdir: Path | None,
                    plan: Path | None) -> None:
     """Check that this device can run 'edgert worker'; exit 1 if anything FAILs."""
-    from edgert.readiness import FAIL, ReadinessOptions, check_board
+    from edgert.worker.readiness import FAIL, ReadinessOptions, check_board
 
     options = ReadinessOptions(providers=providers, credential=credential, listen_port=port, workdir=workdir,
                                plan=plan)

@@ -193,7 +193,7 @@ def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int
     require_host_extra("plan")
     from dataclasses import asdict
 
-    from edgert.exporter.placement import plan_for_devices
+    from edgert.exporter.device_plan import plan_for_devices
 
     training = TrainingConfig(optimizer=optimizer, learning_rate=learning_rate)
     _, placement = plan_for_devices(model, devices_path, out_dir, training, batch_size, micro_batches, schedule,

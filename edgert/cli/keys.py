@@ -17,7 +17,7 @@ INSECURE_WARNING = ("WARNING: --insecure: plaintext CoAP without authentication.
 
 
 def _default_keys() -> Path:
-    from edgert.exporter.keystore import DEFAULT_DIR
+    from edgert.security.keystore import DEFAULT_DIR
 
     return DEFAULT_DIR
 
@@ -33,7 +33,7 @@ def keys_group() -> None:
 @click.option("--cluster", default="edgert", show_default=True, help="The cluster's name (in every certificate).")
 def init_command(folder: Path | None, cluster: str) -> None:
     """Create the cluster identity (a signing CA) and the coordinator's credential."""
-    from edgert.exporter.keystore import Keystore
+    from edgert.security.keystore import Keystore
 
     store = Keystore.init(folder or _default_keys(), cluster)
     click.echo(f"created cluster {store.cluster!r} in {store.folder} (keep cluster.key secret; "
@@ -50,7 +50,7 @@ def init_command(folder: Path | None, cluster: str) -> None:
 @click.option("--days", type=int, default=365, show_default=True, help="Validity of the credential.")
 def enroll_command(name: str, folder: Path | None, out_path: Path | None, token: bool, days: int) -> None:
     """Issue device NAME a credential signed by the cluster."""
-    from edgert.exporter.keystore import Keystore
+    from edgert.security.keystore import Keystore
     from edgert.transport.tls import credential_token
 
     credential = Keystore.open(folder or _default_keys()).enroll(name, days=days)
@@ -69,7 +69,7 @@ def enroll_command(name: str, folder: Path | None, out_path: Path | None, token:
               help="Keystore folder (default $EDGERT_KEYS or ~/.edgert/cluster).")
 def revoke_command(name: str, folder: Path | None) -> None:
     """Revoke device NAME: the coordinator refuses it at once, workers with the next stage they load."""
-    from edgert.exporter.keystore import Keystore
+    from edgert.security.keystore import Keystore
 
     store = Keystore.open(folder or _default_keys())
     serials = store.revoke(name)
@@ -81,7 +81,7 @@ def revoke_command(name: str, folder: Path | None) -> None:
               help="Keystore folder (default $EDGERT_KEYS or ~/.edgert/cluster).")
 def list_command(folder: Path | None) -> None:
     """The enrolled devices (never their keys)."""
-    from edgert.exporter.keystore import Keystore
+    from edgert.security.keystore import Keystore
 
     store = Keystore.open(folder or _default_keys())
     click.echo(f"cluster {store.cluster!r} in {store.folder}")

@@ -50,8 +50,8 @@ def worker_command(listen: str | None, credential: Path | None, insecure: bool, 
                    providers: str, log_level: str) -> None:
     """Run the on-device runtime: serve CoAP, train whatever stage the coordinator assigns."""
     from edgert.providers import check_available, parse_providers
-    from edgert.slowdown import SlowdownSchedule
-    from edgert.worker import Worker, WorkerConfig
+    from edgert.worker.slowdown import SlowdownSchedule
+    from edgert.worker.worker import Worker, WorkerConfig
 
     _logging(log_level)
     if slowdown and slowdown_schedule:
@@ -161,8 +161,8 @@ def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs
                   replan_at: tuple[str, ...], devices: Path | None, replicate_every: int, central_every: int,
                   replicas: int, resume_run: Path | None, as_json: bool, log_level: str) -> None:
     """Train PLAN across WORKERS (one per stage) and record the run."""
-    from edgert.coordinator import TrainConfig, resumed_config, train
-    from edgert.runlog import new_run_folder
+    from edgert.coordinator.coordinator import TrainConfig, resumed_config, train
+    from edgert.coordinator.runlog import new_run_folder
 
     _logging(log_level)
     if resume_run is not None and (out_dir is not None or overwrite):
@@ -243,9 +243,9 @@ def profile_command(model: Path, workers: tuple[str, ...], out_path: Path, micro
     from edgert.cli.host import require_host_extra
 
     require_host_extra("profile")
+    from edgert.coordinator.profiling import profile_devices
     from edgert.devices import save_devices
-    from edgert.exporter.keystore import HostSecurity
-    from edgert.exporter.profiling import profile_devices
+    from edgert.security.keystore import HostSecurity
 
     folder = host_keys(keys, insecure)
     devices = profile_devices(model, list(workers), micro_batch, repeats, progress=lambda m: click.echo(m, err=True),

@@ -146,7 +146,7 @@ install() {
     if in_root "$VENV/bin/pip" show -q onnxruntime-training-cpu >/dev/null 2>&1; then
         die "the training build got installed into the board root"
     fi
-    in_root "$VENV/bin/python" -c "import onnxruntime, edgert.worker; print('onnxruntime', onnxruntime.__version__)" \
+    in_root "$VENV/bin/python" -c "import onnxruntime, edgert.worker.worker; print('onnxruntime', onnxruntime.__version__)" \
         || die "the board runtime does not import inside the root"
     echo "$stamp" > "$ROOT/.edgert-installed"
     say "installed in $((SECONDS - started)) s"

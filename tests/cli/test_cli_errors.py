@@ -16,12 +16,12 @@ import pytest
 from click.testing import CliRunner
 
 from edgert.cli import _Group
+from edgert.coordinator.localcluster import LocalCluster
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile, save_devices
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.exporter.keystore import local_cluster_keys
-from edgert.exporter.replanner import Replanner
-from edgert.localcluster import LocalCluster
+from edgert.exporter.planner.replanner import Replanner
 from edgert.manifest import load_manifest
+from edgert.security.keystore import local_cluster_keys
 from tests.zoo_plans import zoo_plan
 
 INSECURE_WARNING = "WARNING: --insecure"

@@ -13,7 +13,7 @@ F = TensorProto.FLOAT
 
 def gradient_graph(forward: onnx.ModelProto, requires_grad: set[str]) -> onnx.ModelProto:
     """The training build's gradient graph of ``loss`` (ORT's optimiser first, as the exporter does)."""
-    from edgert.ort_training import gradient_builder
+    from edgert.exporter.ort_training import gradient_builder
 
     builder_class, optimized = gradient_builder()  # first: it keeps onnxruntime from importing torch
     from onnxruntime import SessionOptions

@@ -166,7 +166,7 @@ def _plan_with_damaged_source(tmp_path):
 
 def test_a_damaged_source_model_is_named_by_check_and_replanning(tmp_path):
     from edgert.exporter.errors import ModelLoadError
-    from edgert.exporter.replanner import Replanner
+    from edgert.exporter.planner.replanner import Replanner
     from edgert.manifest import load_manifest
 
     plan = _plan_with_damaged_source(tmp_path)
@@ -199,7 +199,7 @@ def test_a_parameter_that_does_not_reach_the_loss_says_to_freeze_it(tmp_path):
 
 
 def test_frozen_initializers_stay_frozen_in_check_and_replanning(skip_model_path, tmp_path):
-    from edgert.exporter.replanner import Replanner
+    from edgert.exporter.planner.replanner import Replanner
     from edgert.manifest import load_manifest
 
     plan = tmp_path / "plan"

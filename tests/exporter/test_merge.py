@@ -8,12 +8,12 @@ import pytest
 from click.testing import CliRunner
 
 from edgert.cli import main
-from edgert.coordinator import TrainConfig, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.localcluster import LocalCluster
 from edgert.manifest import load_manifest
 from edgert.models import build_model, load_dataset, save_model
-from edgert.runlog import read_metrics
 
 pytestmark = pytest.mark.timeout(300)
 

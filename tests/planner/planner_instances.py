@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from edgert.exporter.planner import DeviceCosts, PlanProblem, Unit
+from edgert.exporter.planner.solver import DeviceCosts, PlanProblem, Unit
 
 MIB = 2**20
 

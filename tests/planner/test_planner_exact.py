@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from edgert.exporter.planner import PlanError, brute_force, evaluate, plan
-from edgert.exporter.planner_costs import memory_bytes
+from edgert.exporter.planner.costs import memory_bytes
+from edgert.exporter.planner.solver import PlanError, brute_force, evaluate, plan
 from tests.planner.planner_instances import random_problem, uniform_problem
 
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from edgert.exporter.planner import evaluate, plan
+from edgert.exporter.planner.solver import evaluate, plan
 from tests.planner.planner_instances import MIB, uniform_problem
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgert.exporter.planner import evaluate, plan
+from edgert.exporter.planner.solver import evaluate, plan
 from tests.planner.planner_instances import uniform_problem
 
 SLOWDOWNS = [1, 2, 5, 10]

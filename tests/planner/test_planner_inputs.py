@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from edgert.exporter.planner import PlanError, brute_force, plan
+from edgert.exporter.planner.solver import PlanError, brute_force, plan
 from tests.planner.planner_instances import uniform_problem
 
 
@@ -50,7 +50,7 @@ def test_negative_times_and_duplicate_names():
 
 
 def test_evaluate_refuses_stages_that_do_not_cover_the_model():
-    from edgert.exporter.planner import evaluate
+    from edgert.exporter.planner.solver import evaluate
 
     problem = uniform_problem([1, 1], units=3)
     with pytest.raises(PlanError, match=r"stages \[\(0, 1\), \(2, 3\)\] must cover units 0..3 contiguously"):

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from edgert.exporter.planner import plan
+from edgert.exporter.planner.solver import plan
 from tests.planner.planner_instances import uniform_problem
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from edgert.exporter import planner
+from edgert.exporter.planner import solver as planner
 from tests.planner.planner_instances import random_problem, uniform_problem
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from edgert.exporter.planner import plan
+from edgert.exporter.planner.solver import plan
 from tests.planner.planner_instances import random_problem, uniform_problem
 
 

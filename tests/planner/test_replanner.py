@@ -5,7 +5,7 @@ import pytest
 
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, save_devices
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.exporter.replanner import Replanner, split_stage_cost
+from edgert.exporter.planner.replanner import Replanner, split_stage_cost
 from edgert.manifest import load_manifest
 from edgert.models import build_model, save_model
 

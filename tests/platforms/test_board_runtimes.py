@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgert.coordinator import TrainConfig, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
 from edgert.weights import load_state
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "platforms" / "emulated" / "arm64-root.sh"
 STAGES, BOARD_STAGE, STEPS = 3, 1, 20
-PROBE_BOARD = ("import platform, sys, onnxruntime, edgert.worker\n"
+PROBE_BOARD = ("import platform, sys, onnxruntime, edgert.worker.worker\n"
                "print(platform.machine(), sys.version.split()[0], onnxruntime.__version__)\n"
                "import importlib.util as u; print(u.find_spec('onnx'), u.find_spec('torch'))\n"
                "print('onnxruntime.training' in sys.modules)")

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from edgert.exporter.predictor import (
+from edgert.exporter.predictor.features import CATEGORIES, COLUMNS
+from edgert.exporter.predictor.latency import (
     Features,
     LatencyPredictor,
     Observation,
@@ -16,7 +17,6 @@ from edgert.exporter.predictor import (
     nnls,
     save_predictor,
 )
-from edgert.exporter.predictor_features import CATEGORIES, COLUMNS
 
 MICRO_BATCHES = (2, 8, 32)
 
@@ -198,5 +198,5 @@ def test_predicting_and_learning_need_no_onnx():
     import sys
 
     code = ("import sys; sys.modules['onnx'] = None\n"
-            "from edgert.exporter.predictor import Features, LatencyPredictor, load_predictor\n")
+            "from edgert.exporter.predictor.latency import Features, LatencyPredictor, load_predictor\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from edgert.bench.recovery import copy_step_excess, steady_rate
 from edgert.cli import main
-from edgert.recovery_bench import copy_step_excess, steady_rate
 
 REPO = Path(__file__).resolve().parents[2]
 

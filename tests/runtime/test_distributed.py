@@ -10,16 +10,16 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from edgert.coordinator import TrainConfig, TrainingError, train
+from edgert.coordinator.coordinator import TrainConfig, TrainingError, train
+from edgert.coordinator.evaluator import Evaluator
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.errors import EdgertError
-from edgert.evaluation import Evaluator
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.merge import merge_run
-from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, load_dataset, save_model
 from edgert.protocol import RUN, STAGE, STOP, Peers, Segment, StageAssignment
-from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, SyncClient
 from edgert.weights import load_state
 

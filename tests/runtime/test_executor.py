@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from edgert.chain import StageChain
-from edgert.executor import MicroBatch, StageExecutor, Window, split_batch
 from edgert.exporter.export import ExportOptions, choose_cuts, prepare_analysis, write_plan
 from edgert.exporter.source import from_model_proto
-from edgert.inbox import Inbox
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model
+from edgert.schedule import MicroBatch, Window, split_batch
 from edgert.stage import StageSession
+from edgert.worker.executor import StageExecutor
+from edgert.worker.inbox import Inbox
 
 
 def make_plan(tmp_path, name="cnn", stages=3, lr=1e-2):

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from edgert.coordinator_recovery import RecoveryMixin
+from edgert.coordinator.recovery import RecoveryMixin
 
 
 class Noticing(RecoveryMixin):

@@ -15,15 +15,15 @@ import time
 import numpy as np
 import pytest
 
-from edgert.coordinator import TrainConfig, train
+from edgert.bench.faults import run_and_kill as kill_during
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.failures import gather_holdings
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.fault_injection import run_and_kill as kill_during
-from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
 from edgert.protocol import JOIN, WEIGHTS
-from edgert.recovery import gather_holdings
-from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, SyncClient
 from tests.running_coordinator import final_parameters, free_port
 

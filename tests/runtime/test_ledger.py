@@ -2,9 +2,9 @@
 
 import asyncio
 
-from edgert.executor import StepReport
-from edgert.ledger import StepLedger
-from edgert.runlog import RunLog, read_metrics
+from edgert.coordinator.ledger import StepLedger
+from edgert.coordinator.runlog import RunLog, read_metrics
+from edgert.protocol import StepReport
 
 BATCH = 64
 

@@ -13,14 +13,14 @@ import tracemalloc
 import pytest
 
 from edgert.cli.runtime import print_summary
+from edgert.coordinator.ledger import StepLedger
+from edgert.coordinator.run_summary import RunSummary, summarise
+from edgert.coordinator.runlog import RunLog, claim_run_folder, new_run_folder, read_metrics
+from edgert.coordinator.tracefile import read_trace
 from edgert.errors import TrainingError
-from edgert.executor import StepReport
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.ledger import StepLedger
 from edgert.models import build_model, save_model
-from edgert.run_summary import RunSummary, summarise
-from edgert.runlog import RunLog, claim_run_folder, new_run_folder, read_metrics
-from edgert.tracefile import read_trace
+from edgert.protocol import StepReport
 
 BATCH = 64
 
@@ -76,7 +76,7 @@ def test_tracks_are_named_by_the_worker_that_ran_the_spans(tmp_path):
 
 WRITER = """
 import sys, time
-from edgert.runlog import RunLog
+from edgert.coordinator.runlog import RunLog
 log = RunLog(sys.argv[1], started=1000.0)
 step = 0
 while True:
@@ -198,7 +198,7 @@ def test_train_refuses_a_folder_holding_a_run_in_one_line(tmp_path):
 
 def test_resume_records_in_the_folder_it_is_given(tmp_path):
     """C2: a run folder moved elsewhere is resumed where it now is, not where run.json says it was."""
-    from edgert.coordinator import resumed_config
+    from edgert.coordinator.coordinator import resumed_config
 
     moved = tmp_path / "moved"
     moved.mkdir()

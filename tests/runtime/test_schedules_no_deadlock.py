@@ -10,11 +10,11 @@ every combination.
 
 import pytest
 
-from edgert.coordinator import TrainConfig, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.localcluster import LocalCluster
 from edgert.models import build_model, save_model
-from edgert.runlog import read_metrics
 from edgert.schedule import SCHEDULES
 
 pytestmark = pytest.mark.timeout(120)

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgert.coordinator import TrainConfig, train
-from edgert.exporter.keystore import local_cluster_keys
-from edgert.fault_injection import MetricsTail
-from edgert.localcluster import LocalCluster
+from edgert.bench.faults import MetricsTail
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.security.keystore import local_cluster_keys
 from tests.running_coordinator import final_parameters, free_port
 from tests.zoo_plans import zoo_plan
 

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from edgert.coordinator import TrainConfig, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.errors import EdgertError
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.exporter.keystore import local_cluster_keys
-from edgert.localcluster import LocalCluster
 from edgert.models import build_model, save_model
-from edgert.runlog import read_metrics
+from edgert.security.keystore import local_cluster_keys
 
 pytestmark = pytest.mark.timeout(180)
 NAMES = ["w0", "w1"]

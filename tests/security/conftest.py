@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edgert.exporter.keystore import Keystore, local_cluster_keys
+from edgert.security.keystore import Keystore, local_cluster_keys
 from edgert.transport.tls import TlsCredentials
 from tests.zoo_plans import zoo_plan
 

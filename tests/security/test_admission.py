@@ -8,12 +8,12 @@ import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 from onnx import TensorProto, helper
 
-from edgert.admission import Admission, AdmissionRefused, StageSigning
-from edgert.exporter.keystore import Keystore
-from edgert.inbox import Inbox, InboxFull
-from edgert.onnx_scan import GraphRefused, scan_model
+from edgert.security.admission import Admission, AdmissionRefused, StageSigning
+from edgert.security.keystore import Keystore
+from edgert.security.onnx_scan import GraphRefused, scan_model
 from edgert.transport import Envelope
 from edgert.transport.tls import Revocations
+from edgert.worker.inbox import Inbox, InboxFull
 
 
 def _stage() -> Envelope:

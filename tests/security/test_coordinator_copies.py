@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgert.coordinator import TrainConfig
-from edgert.localcluster import LocalCluster
+from edgert.coordinator.coordinator import TrainConfig
+from edgert.coordinator.failures import CENTRAL_MAX_BYTES
+from edgert.coordinator.localcluster import LocalCluster
 from edgert.protocol import JOIN, REPLICA, REPORT, JoinRequest
-from edgert.recovery import CENTRAL_MAX_BYTES
 from edgert.transport import ClientConfig, Envelope, SyncClient, TensorClient
 from edgert.transport.limits import MiB
 from edgert.weights import StageState

@@ -18,11 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgert.coordinator import TrainConfig
-from edgert.executor import StepReport
-from edgert.localcluster import LocalCluster
+from edgert.coordinator.coordinator import TrainConfig
+from edgert.coordinator.localcluster import LocalCluster
 from edgert.manifest import load_manifest
-from edgert.protocol import ProtocolError, StageReports, reports_to_envelope
+from edgert.protocol import ProtocolError, StageReports, StepReport, reports_to_envelope
 from edgert.transport import ClientConfig, TensorClient
 from tests.fuzz_bodies import BODY_KINDS, METHODS, broken, envelope_bytes, generic_body, misrouted
 from tests.running_coordinator import RunningCoordinator, final_parameters

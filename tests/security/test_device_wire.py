@@ -18,7 +18,7 @@ from aiocoap.numbers.codes import Code
 from edgert.transport import Envelope, TensorServer
 from edgert.transport.coap_tcp import DEFAULT_PORT
 from edgert.transport.server import parse_url
-from edgert.worker import WorkerConfig
+from edgert.worker.worker import WorkerConfig
 from tests.transport.raw_peer import RawPeer, anonymous_tls
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from cryptography import x509
 
 from edgert.cli import main
-from edgert.exporter.keystore import Keystore, KeystoreError
+from edgert.security.keystore import Keystore, KeystoreError
 from edgert.transport.tls import CredentialError, TlsCredentials, credential_from_token, credential_token
 
 

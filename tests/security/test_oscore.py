@@ -13,7 +13,7 @@ import pytest
 from aiocoap import Message
 from aiocoap.numbers.codes import Code
 
-from edgert.exporter.keystore import HostSecurity, Keystore, local_cluster_keys
+from edgert.security.keystore import HostSecurity, Keystore, local_cluster_keys
 from edgert.transport import Envelope, PeerUnreachable, TensorClient, TensorServer
 from edgert.transport.errors import Forbidden, Unauthorized
 from edgert.transport.oscore_keys import OscoreKeys, state_dir
@@ -296,7 +296,7 @@ def test_one_process_per_oscore_state(cluster, host):
     keys = OscoreKeys(host())
     try:
         keys.for_peer("w0")  # holds the coordinator's state for w0
-        code = (f"from edgert.exporter.keystore import HostSecurity\n"
+        code = (f"from edgert.security.keystore import HostSecurity\n"
                 f"from edgert.transport.oscore_keys import OscoreKeys\n"
                 f"OscoreKeys(HostSecurity.open({str(cluster.keys)!r}).tls).for_peer('w0')\n")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -15,14 +15,14 @@ import numpy as np
 import onnx
 import pytest
 
-from edgert.admission import StageSigning
-from edgert.coordinator import TrainConfig, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig, load_manifest, needed_roles
 from edgert.models import build_model, save_model
 from edgert.protocol import STAGE, Peers, StageAssignment
-from edgert.runlog import read_metrics
+from edgert.security.admission import StageSigning
 from edgert.transport import Envelope, PeerUnreachable, TensorClient, encode_envelope
 from edgert.transport.errors import Forbidden, TooLarge, Unauthorized
 from edgert.transport.limits import MiB
@@ -219,7 +219,7 @@ def _hostile_payload(rng: random.Random, weights: Envelope) -> bytes | None:
 def test_a_replan_and_a_kill_recovery_work_over_tls(cluster, tmp_path):
     """The coordinator re-plans (signed stages, migrations between workers) and recovers from a SIGKILL
     (replicas, FETCH /weights between workers) with every byte over coaps+tcp."""
-    from edgert.fault_injection import run_and_kill
+    from edgert.bench.faults import run_and_kill
 
     save_model(build_model("cnn"), tmp_path / "cnn.onnx")
     export_plan(tmp_path / "cnn.onnx", tmp_path / "plan", ExportOptions(stages=4, training=TrainingConfig()))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from aiocoap.numbers.codes import Code
 
-from edgert.coordinator import TrainConfig, train
-from edgert.localcluster import LocalCluster
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
 from edgert.transport import Limits, Request, Response, TensorClient, TensorServer
 from edgert.transport.errors import Unauthorized
 from edgert.transport.limits import MiB

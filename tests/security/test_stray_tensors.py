@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgert.coordinator import TrainConfig, train
-from edgert.localcluster import LocalCluster
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
 from edgert.manifest import load_manifest
-from edgert.runlog import read_metrics
 from edgert.transport import BadRequest, Envelope, TensorClient
 from edgert.transport.errors import Forbidden
 from tests.running_coordinator import final_parameters

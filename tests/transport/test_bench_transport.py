@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from edgert.bench.transport import format_table, parse_size, ratios
 from edgert.cli import main
-from edgert.transport.bench import format_table, parse_size, ratios
 from edgert.transport.limits import KiB, MiB
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edgert.coordinator.localcluster import LocalCluster
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.localcluster import LocalCluster
 from edgert.manifest import TrainingConfig, load_manifest, needed_roles
 from edgert.models import build_model, save_model
 from edgert.protocol import Health, Peers, Segment, StageAssignment

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from edgert.exporter.keystore import local_cluster_keys
+from edgert.security.keystore import local_cluster_keys
 from edgert.transport import ClientConfig, PeerUnreachable, TensorClient, TensorServer
 from edgert.transport.tls import TlsCredentials
 

@@ -1,0 +1,1 @@
+"""edgert/bench: (map written later)."""

@@ -1,0 +1,1 @@
+"""edgert/coordinator: (map written later)."""

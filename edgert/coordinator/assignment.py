@@ -1,0 +1,126 @@
+"""Putting stages on workers: the first assignment, and moving the cuts while training runs.
+
+Re-partitioning happens at a step boundary, with the pipeline drained: every worker gets
+its new stage (``PUT /stage``; it keeps a copy of the state it held), then fetches the
+parameters *and optimizer state* of the blocks it now owns straight from the workers that
+held them (``POST /migrate`` -> ``FETCH /weights`` between workers). Nothing passes
+through the coordinator, and nothing learned is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgert.errors import EdgertError
+from edgert.manifest import Manifest, TrainingConfig, needed_roles
+from edgert.protocol import MIGRATE, SELF, STAGE, Peers, StageAssignment
+from edgert.security.admission import StageSigning
+from edgert.transport import Envelope, TensorClient, TransportError
+
+
+class AssignmentError(EdgertError):
+    """A worker refused its stage, or state could not be moved."""
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """Per-run settings every stage gets."""
+
+    run_id: str
+    coordinator_url: str
+    training: TrainingConfig
+    forward_codec: str = "none"
+    backward_codec: str = "none"
+    forward_threads: int = 1
+    backward_threads: int = 1
+    wait_timeout: float = 120.0
+    memory_mode: str = "recompute"
+    replicate_every: int = 0
+    central_every: int = 0
+    replicas: int = 1
+    signing: StageSigning | None = None  # signs each stage with the cluster key (None: --insecure)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What a re-partition moved."""
+
+    bytes: int
+    seconds: float
+    parameters: int
+
+
+async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str],
+                 settings: LinkSettings) -> None:
+    """Send stage ``k`` of ``manifest`` to worker ``order[k]``, all at once."""
+    stages = len(manifest.stages)
+
+    async def one(k: int) -> None:
+        entry = manifest.stages[k]
+        peers = Peers(previous=order[k - 1] if k > 0 else None, next=order[k + 1] if k + 1 < stages else None,
+                      coordinator=settings.coordinator_url, previous_name=names[k - 1] if k > 0 else None,
+                      next_name=names[k + 1] if k + 1 < stages else None)
+        assignment = StageAssignment(
+            run_id=settings.run_id, entry=entry, training=settings.training, stages=stages, peers=peers,
+            forward_codec=settings.forward_codec, backward_codec=settings.backward_codec,
+            forward_threads=settings.forward_threads, backward_threads=settings.backward_threads,
+            wait_timeout=settings.wait_timeout, memory_mode=settings.memory_mode,
+            replicate_every=settings.replicate_every, central_every=settings.central_every,
+            replica_targets=ring_neighbours(order, k, settings.replicas))
+        roles = needed_roles(entry, settings.memory_mode)
+        files = {a.role: (plan_dir / a.path).read_bytes() for a in entry.artifacts if a.role in roles}
+        try:
+            envelope = assignment.to_envelope(files)
+            if settings.signing is not None:
+                settings.signing.apply(envelope)
+            await client.request("PUT", order[k], STAGE, envelope, timeout=120.0)
+        except TransportError as error:
+            raise AssignmentError(f"worker {names[k]} ({order[k]}) refused stage {k}: {error}") from None
+
+    await asyncio.gather(*(one(k) for k in range(stages)))
+
+
+def ring_neighbours(order: list[str], k: int, replicas: int) -> tuple[str, ...]:
+    """The next ``replicas`` workers after stage ``k`` in the ring (last -> first), never itself."""
+    count = min(replicas, len(order) - 1)
+    return tuple(order[(k + i) % len(order)] for i in range(1, count + 1))
+
+
+def owners(manifest: Manifest, order: list[str]) -> dict[str, str]:
+    """Which worker holds each parameter and running statistic."""
+    return {p.name: order[stage.index] for stage in manifest.stages for p in stage.parameters}
+
+
+async def migrate(client: TensorClient, run_id: str, old: Manifest, old_order: list[str], new: Manifest,
+                  new_order: list[str]) -> Migration:
+    """After the new stages are assigned, let every worker pull its state from the old owners."""
+    held = owners(old, old_order)
+    started = time.perf_counter()
+
+    async def pull(stage_index: int) -> int:
+        url = new_order[stage_index]
+        by_source: dict[str, list[str]] = {}
+        for parameter in new.stages[stage_index].parameters:
+            source = held.get(parameter.name)
+            if source is None:
+                raise AssignmentError(f"no worker held {parameter.name!r} before the re-partition")
+            by_source.setdefault(SELF if source == url else source, []).append(parameter.name)
+        sources = [{"url": source, "names": names, "previous": True} for source, names in by_source.items()]
+        message = Envelope(kind="control", run_id=run_id, meta={"sources": sources})
+        try:
+            response = await client.post(url, MIGRATE, message, timeout=300.0)
+        except TransportError as error:
+            raise AssignmentError(f"worker {url} could not take over its state: {error}") from None
+        return int(response.envelope().meta.get("bytes", 0))
+
+    moved = await asyncio.gather(*(pull(k) for k in range(len(new.stages))))
+    return Migration(bytes=sum(moved), seconds=time.perf_counter() - started,
+                     parameters=sum(len(s.parameters) for s in new.stages))
+
+
+def with_learning_rate(training: TrainingConfig, learning_rate: float | None) -> TrainingConfig:
+    return training if learning_rate is None else dataclasses.replace(training, learning_rate=learning_rate)

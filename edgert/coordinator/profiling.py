@@ -1,0 +1,139 @@
+"""``edgert profile``: measure every device on every unit of a model, and every link.
+
+The model is cut at every legal cut (each stage of that plan is a *unit*, the planner's
+atom); each worker receives every unit in turn, then the whole model as one stage, and
+times their forward and backward through its own runtime (``POST /profile``), then times
+its link to every other worker (``POST /probe``). The whole-model time tells how much of a
+unit's time is the fixed cost of being a stage (session calls, boundary tensors). Workers
+are measured one after another, so they do not compete for a shared host's cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile
+from edgert.exporter.errors import ExportError
+from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+from edgert.exporter.source import load_source_model
+from edgert.manifest import Manifest, TrainingConfig, needed_roles
+from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, StageAssignment
+from edgert.security.admission import StageSigning
+from edgert.security.keystore import HostSecurity
+from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
+
+Progress = Callable[[str], None]
+PROFILE_RUN = "profile"
+
+
+def unit_names(manifest: Manifest) -> list[str]:
+    """A unit is named by its block, or its blocks joined with '+' when a shared parameter binds them."""
+    return ["+".join(stage.blocks) for stage in manifest.stages]
+
+
+@dataclass(frozen=True)
+class ProfilePlans:
+    """What a device is measured on: the units plan and the whole model as one stage."""
+
+    units_dir: Path
+    units: Manifest
+    whole_dir: Path
+    whole: Manifest
+
+
+def export_profile_plans(model_path: str | Path, out_dir: Path,
+                         training: TrainingConfig = TrainingConfig()) -> ProfilePlans:
+    """The model cut at every legal cut (one stage per unit), and uncut."""
+    source = load_source_model(model_path)
+    analysis = prepare_analysis(source, ExportOptions())
+    cuts = [c.index for c in analysis.cuts if c.legal]
+    units = write_plan(source, analysis, cuts, out_dir / "units", training)
+    whole = write_plan(source, analysis, [], out_dir / "whole", training)
+    return ProfilePlans(out_dir / "units", units, out_dir / "whole", whole)
+
+
+def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = 16, repeats: int = 5,
+                    progress: Progress = lambda _: None, memory_mode: str = "recompute",
+                    security: HostSecurity | None = None) -> DevicesFile:
+    """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking.
+
+    With ``security`` (the cluster keystore) it talks coaps+tcp and signs what it sends; without, plaintext.
+    """
+    if micro_batch < 1 or repeats < 1:
+        raise ExportError(f"--micro-batch and --repeats must be at least 1 (got {micro_batch}, {repeats})")
+    with tempfile.TemporaryDirectory(prefix="edgert-profile-") as scratch:
+        plans = export_profile_plans(model_path, Path(scratch))
+        progress(f"{len(plans.units.stages)} units to measure on {len(workers)} device(s)")
+        return asyncio.run(_profile(plans, workers, micro_batch, repeats, progress, memory_mode, security))
+
+
+async def _profile(plans: ProfilePlans, workers: list[str], micro_batch: int, repeats: int,
+                   progress: Progress, memory_mode: str, security: HostSecurity | None) -> DevicesFile:
+    client = TensorClient(ClientConfig(timeout=600.0, retries=1, connect_timeout=5.0),
+                          tls=None if security is None else security.tls)
+    signing = None if security is None else security.signing
+    try:
+        names = [await _name(client, url) for url in workers]
+        devices = []
+        for url, name in zip(workers, names):
+            devices.append(await profile_device(client, plans, url, name, micro_batch, repeats, progress,
+                                                memory_mode, signing))
+        links = []
+        for i, source in enumerate(workers):
+            for j, target in enumerate(workers):
+                if i != j:
+                    result = (await client.post(source, PROBE, Envelope(kind="control", meta={"target": target}),
+                                                timeout=120.0)).envelope().meta
+                    links.append(LinkProfile(names[i], names[j], float(result["bandwidth_bytes_per_s"]),
+                                             float(result["rtt_ms"])))
+        if links:
+            progress(f"measured {len(links)} link(s)")
+        return DevicesFile(model_sha256=plans.units.source_sha256, blocks=tuple(unit_names(plans.units)),
+                           micro_batch=micro_batch, devices=tuple(devices), links=tuple(links),
+                           memory_mode=memory_mode, notes={"repeats": repeats})
+    finally:
+        await client.close()
+
+
+async def _name(client: TensorClient, url: str) -> str:
+    try:
+        return Health.from_envelope((await client.get(url, HEALTH, timeout=5.0)).envelope()).name
+    except (TransportError, OSError) as error:
+        raise ExportError(f"worker {url} is not reachable: {error}") from None
+
+
+async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, name: str, micro_batch: int,
+                         repeats: int, progress: Progress = lambda _: None,
+                         memory_mode: str = "recompute", signing: StageSigning | None = None) -> DeviceProfile:
+    """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``)."""
+    timings = []
+    for entry, unit in zip(plans.units.stages, unit_names(plans.units)):
+        meta = await _measure(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats, memory_mode,
+                              signing)
+        timings.append(BlockTiming(**{**meta["timing"], "block": unit}))
+    meta = await _measure(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch, repeats,
+                          memory_mode, signing)
+    whole = BlockTiming(**{**meta["timing"], "block": "+".join(unit_names(plans.units))})
+    progress(f"{name}: {len(timings)} units, {whole.forward_ms + whole.backward_ms:.1f} ms per micro-batch of "
+             f"{micro_batch} for the whole model")
+    return DeviceProfile(name=name, url=url, memory_bytes=int(meta["memory_bytes"]), cores=int(meta["cores"]),
+                         slowdown=str(meta.get("slowdown", "0:1")), blocks=tuple(timings), whole=whole)
+
+
+async def _measure(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry, micro_batch: int,
+                   repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
+    """``POST /profile`` one stage of ``manifest`` to the worker at ``url``; its reply's meta."""
+    assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, training=manifest.training,
+                                 stages=len(manifest.stages), peers=Peers(None, None, ""), memory_mode=memory_mode)
+    roles = needed_roles(entry, memory_mode)
+    files = {a.role: (plan / a.path).read_bytes() for a in entry.artifacts if a.role in roles}
+    envelope = assignment.to_envelope(files)
+    envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, stage=envelope.stage, tensors=envelope.tensors,
+                        meta={**envelope.meta, "micro_batch": micro_batch, "repeats": repeats})
+    if signing is not None:
+        signing.apply(envelope)
+    return (await client.post(url, PROFILE, envelope, timeout=600.0)).envelope().meta

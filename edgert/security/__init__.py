@@ -1,0 +1,1 @@
+"""edgert/security: (map written later)."""

@@ -1,0 +1,1 @@
+"""edgert/worker: (map written later)."""

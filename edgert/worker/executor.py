@@ -1,0 +1,213 @@
+"""Running a stage's schedule: the compute loop of a worker.
+
+For each window of work the executor walks its stage's action list (edgert.schedule):
+``F`` waits for the micro-batch's inputs, runs the forward and hands the outputs to the
+next stage; ``B`` waits for the gradients (or, on the last stage, the labels), runs the
+backward and hands the input gradients to the previous stage; ``S`` steps the optimizer.
+The last stage's forward is folded into its backward. Under the ``async`` schedule the
+weights a micro-batch's forward used are stashed and restored for its backward (PipeDream).
+Everything it does is timed, per step, for the coordinator's metrics and trace. Before the
+compute thread waits for a tensor it calls ``before_wait`` (the worker sends the step reports
+it has gathered): what it waits for may be sent only once those reports arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from edgert.protocol import StepReport
+from edgert.schedule import Key, MicroBatch, Window, stage_actions
+from edgert.stage import StageSession
+from edgert.worker.gate import StepGate
+from edgert.worker.inbox import Inbox, InboxSkipped
+from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
+from edgert.worker.stage_timer import warm_up
+
+ACTIVITY = {"F": "forward", "B": "backward", "S": "step"}
+Sender = Callable[[Key, dict[str, np.ndarray]], None]
+StepCallback = Callable[[StepReport], None]
+
+
+class StageExecutor:
+    """Walks action lists for one stage, with its inbox and its links to the neighbours."""
+
+    def __init__(self, session: StageSession, stage: int, inbox: Inbox, send_forward: Sender,
+                 send_backward: Sender, slowdown: SlowdownSchedule = SlowdownSchedule(),
+                 wait_timeout: float | None = None, before_wait: Callable[[], None] | None = None):
+        self.session = session
+        self.stage = stage
+        self.inbox = inbox
+        self._send_forward = send_forward
+        self._send_backward = send_backward
+        self.slowdown = SlowdownEmulator(slowdown)
+        self._warmed: set[int] = set()
+        self.wait_timeout = wait_timeout
+        self._before_wait = before_wait
+        # inputs (and, when stashing, saved activations) of each micro-batch until its backward
+        self._held: dict[Key, tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] = {}
+        self._stash: dict[int, np.ndarray] = {}  # weight version -> flat snapshot (async)
+        self._stash_version: dict[Key, int] = {}
+        self._version = 0
+        self.activity = "idle"  # what the compute thread is doing now, for /health
+        self.gate = StepGate()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.session.entry.is_last
+
+    def run_window(self, window: Window, on_step: StepCallback | None = None) -> list[StepReport]:
+        """Execute the window's actions; returns one report per optimizer step, in order.
+
+        ``on_step`` is called with each step's report as soon as its optimizer step is done.
+        """
+        batches = list(window.microbatches)
+        self._warm_up(batches[0].size)
+        actions = stage_actions(window.schedule, self.stage, window.stages, len(batches))
+        reports = {step: StepReport(step=step, stage=self.stage, started=time.time()) for step in window.steps}
+        last_backward: MicroBatch | None = None
+        done = []
+        for action in actions:
+            if action.kind == "S":
+                step = last_backward.step if window.schedule == "async" and last_backward else window.steps[-1]
+            else:
+                step = batches[action.microbatch].step
+            self.gate.enter(step, commits=action.kind != "F")
+            if self._truncated(step):
+                continue  # the segment was cut short before this step
+            self.activity = f"{ACTIVITY[action.kind]} {step}"
+            try:
+                if action.kind == "F":
+                    self._forward(batches[action.microbatch], reports[step], window)
+                elif action.kind == "B":
+                    last_backward = batches[action.microbatch]
+                    self._backward(last_backward, reports[step], window)
+                else:
+                    self._step(reports[step])
+                    done.append(step)
+                    if on_step is not None:
+                        on_step(reports[step])
+            except InboxSkipped:
+                self._held.pop(batches[action.microbatch].key, None)
+        self.activity = "idle"
+        return [reports[step] for step in done]
+
+    def _warm_up(self, rows: int) -> None:
+        """Before an emulated device first computes micro-batches of ``rows``: learn their warm times."""
+        if self.slowdown.schedule.emulates and rows not in self._warmed:
+            self._warmed.add(rows)
+            self.activity = "warming up"
+            warm_up(self.session, rows, self.slowdown)
+
+    def _truncated(self, step: int) -> bool:
+        return self.inbox.last_step is not None and step > self.inbox.last_step
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def _forward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
+        inputs = self._take("act", batch, report)
+        kept: dict[str, np.ndarray] | None = {} if self.session.stashing else None
+        self._held[batch.key] = (inputs, kept)
+        if window.schedule == "async" and not self.is_last:
+            self._stash_weights(batch.key)
+        if self.is_last:
+            return  # folded into the backward, which recomputes the forward anyway
+        started = self._clock()
+        outputs = self.session.forward(inputs, kept)
+        self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step, ("F", batch.size))
+        self._send(self._send_forward, batch.key, outputs, report)
+
+    def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
+        inputs, kept = self._held.pop(batch.key)
+        if self.is_last:
+            labels = self._take("labels", batch, report)
+            gradients = None
+        else:
+            labels = None
+            gradients = self._take("grad", batch, report)
+        stashed = self._stashed_version(batch.key) if window.schedule == "async" and not self.is_last else None
+        started = self._clock()
+        with self.session.stashed_weights(stashed) if stashed is not None else contextlib.nullcontext():
+            result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
+                                           loss_scale=batch.loss_scale, saved=kept)
+        self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step,
+                       ("B", batch.size))
+        if self.is_last:
+            self._score(report, batch, result.loss, result.prediction, labels)
+        if not self.is_first and result.input_gradients:
+            self._send(self._send_backward, batch.key, result.input_gradients, report)
+
+    def _step(self, report: StepReport) -> None:
+        started = self._clock()
+        self.session.step()
+        self._version += 1
+        self._computed(report, "optimizer_ms", f"S{report.step}", started, report.step, "S")
+        report.finished = time.time()
+
+    # -- weight stashing (async) -------------------------------------------------------------
+
+    def _stash_weights(self, key: Key) -> None:
+        if self._version not in self._stash:
+            self._stash[self._version] = self.session.weights_snapshot()
+        self._stash_version[key] = self._version
+
+    def _stashed_version(self, key: Key) -> np.ndarray | None:
+        """The weights ``key``'s forward ran with, when the optimizer has stepped since (else None)."""
+        version = self._stash_version.pop(key)
+        weights = self._stash[version]
+        if version not in self._stash_version.values():
+            del self._stash[version]
+        return None if version == self._version else weights
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _take(self, kind: str, batch: MicroBatch, report: StepReport):
+        key = (kind, batch.step, batch.index)
+        if self._before_wait is not None and not self.inbox.holds(key):
+            self._before_wait()
+        value, waited = self.inbox.take(key, self.wait_timeout)
+        if waited > 1e-4:
+            now = time.time()
+            report.spans.append((f"wait {kind}", now - waited, waited))
+        report.idle_ms += waited * 1000
+        return value
+
+    def _clock(self) -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
+    def _computed(self, report: StepReport, field_name: str, name: str, started: tuple[float, float],
+                  step: int, call: Hashable) -> None:
+        elapsed = time.perf_counter() - started[0]
+        cpu = time.thread_time() - started[1] if self.session.single_threaded else None
+        slept = self.slowdown.emulate(step, call, elapsed, cpu)
+        total = elapsed + slept
+        setattr(report, field_name, getattr(report, field_name) + total * 1000)
+        report.slowdown_ms += slept * 1000
+        report.spans.append((name, time.time() - total, total))
+
+    @staticmethod
+    def _send(sender: Sender, key: Key, tensors: dict[str, np.ndarray], report: StepReport) -> None:
+        started = time.perf_counter()
+        sender(key, tensors)
+        report.send_ms += (time.perf_counter() - started) * 1000
+
+    @staticmethod
+    def _score(report: StepReport, batch: MicroBatch, loss: float | None, prediction, labels) -> None:
+        report.samples += batch.size
+        report.loss_sum += (loss or 0.0) * batch.size
+        label = next(iter(labels.values()))
+        if prediction is not None and np.issubdtype(label.dtype, np.integer) and prediction.ndim == label.ndim + 1:
+            report.correct = (report.correct or 0) + int(np.sum(prediction.argmax(-1) == label))
+
+    def reset(self) -> None:
+        """Forget held inputs and stashed weights (after a failure or a re-plan)."""
+        self._held.clear()
+        self._stash.clear()
+        self._stash_version.clear()

@@ -1,0 +1,151 @@
+"""What a worker lets into its stage's inbox: tensors from the named peer, for a step it expects, as specified.
+
+``/act`` and ``/grad`` (and the coordinator's ``/batch``) are checked here before the inbox
+or the running stage sees them (docs/SECURITY.md, "Requests a worker refuses"):
+
+- *who*: activations come only from the previous stage, gradients only from the next one;
+  over TLS the sender's credential name must be the one the assignment names (on
+  plaintext, ``--insecure``, nobody is authenticated and this check does not apply);
+- *when*: the step lies in a segment the coordinator sent (``POST /run``) and the micro-batch
+  is one of that step's;
+- *what*: tensor names, dtypes and dimensions are the manifest's, and the batch dimension
+  is that micro-batch's size.
+
+A message that passes, but for a step already done (a retried delivery whose first answer
+was lost) or after a truncation, is dropped with 2.04: nothing is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from edgert.manifest import BoundaryTensor
+from edgert.protocol import ACT, BATCH, LABELS, Peers, Segment
+from edgert.schedule import MicroBatch
+from edgert.transport import BadRequest, Envelope, Request, ServiceUnavailable
+from edgert.transport.errors import Forbidden
+from edgert.transport.tls import PeerIdentity
+from edgert.worker.inbox import InboxFull
+
+
+def check_sender(path: str, stage: int, peers: Peers, identity: PeerIdentity | None) -> None:
+    """Refuse (4.03) ``/act`` or ``/grad`` from anyone but the neighbour the assignment names."""
+    if path == ACT:
+        url, name, role = peers.previous, peers.previous_name, "previous"
+    else:
+        url, name, role = peers.next, peers.next_name, "next"
+    if url is None:
+        why = "its inputs come in the coordinator's /batch" if path == ACT else "it is the last stage"
+        raise Forbidden(f"stage {stage} takes no /{path} from a peer: {why}")
+    if identity is not None and identity.name != name:
+        raise Forbidden(f"stage {stage} takes /{path} only from its {role} stage's worker {name!r}, not {identity}")
+
+
+class InputResources:
+    """Mixin of :class:`edgert.worker.worker.Worker`: the handlers of /batch, /act and /grad."""
+
+    async def _on_batch(self, request: Request) -> None:
+        """A whole step's inputs (first stage) and/or labels (last stage), split into micro-batches here."""
+        envelope = request.envelope
+        self._check_run(envelope)
+        entry = self.session.entry
+        expected = (list(entry.inputs) if entry.index == 0 else []) + list(entry.labels)
+        if not expected:
+            raise BadRequest(f"stage {entry.index} is neither the first nor the last: it takes no /{BATCH}")
+        microbatches = announced_microbatches(tuple(self._segments), envelope.step, self.health.step, BATCH)
+        if microbatches is None:
+            return  # a late duplicate: nothing kept
+        check_tensors(envelope, expected, BATCH, batch=sum(m.size for m in microbatches))
+        if is_late(envelope.step, self.health.step, self.inbox.last_step):
+            return
+        inputs = {t.name for t in entry.inputs} if entry.index == 0 else set()
+        start = 0
+        try:
+            for micro in microbatches:
+                part = slice(start, start + micro.size)
+                start += micro.size
+                values = {name: value[part] for name, value in envelope.tensors.items()}
+                if inputs:
+                    self.inbox.put((ACT, micro.step, micro.index), {n: v for n, v in values.items() if n in inputs})
+                if entry.is_last:
+                    self.inbox.put((LABELS, micro.step, micro.index),
+                                   {n: v for n, v in values.items() if n not in inputs})
+        except InboxFull as error:
+            raise ServiceUnavailable(str(error)) from None
+
+    def _data_handler(self, path: str):
+        async def handle(request: Request) -> None:
+            """Tensors from a neighbour, checked (edgert.worker.inputs) before the inbox sees them."""
+            envelope = request.envelope
+            self._check_run(envelope)
+            entry, assignment = self.session.entry, self.assignment
+            if envelope.stage != entry.index:
+                raise BadRequest(f"message for stage {envelope.stage} reached stage {entry.index}")
+            check_sender(path, entry.index, assignment.peers, request.identity)
+            micro = announced_microbatch(tuple(self._segments), envelope.step, envelope.microbatch,
+                                         self.health.step, path)
+            if micro is None:
+                return  # a late duplicate: nothing kept
+            check_tensors(envelope, self._expected(path), path, batch=micro.size)
+            if is_late(envelope.step, self.health.step, self.inbox.last_step):
+                return
+            try:
+                self.inbox.put((path, envelope.step, envelope.microbatch), dict(envelope.tensors))
+            except InboxFull as error:
+                raise ServiceUnavailable(str(error)) from None
+        return handle
+
+    def _expected(self, path: str) -> list[BoundaryTensor]:
+        entry = self.session.entry
+        if path == ACT:
+            return list(entry.inputs)
+        return [t for t in entry.outputs if t.name in entry.output_gradients]
+
+
+def announced_microbatches(segments: Iterable[Segment], step: int, done_through: int,
+                           path: str) -> list[MicroBatch] | None:
+    """The micro-batches of ``step`` as a run command announced them; raises 4.00 for a step none announced
+    (None: a step done so long ago that its segment is forgotten; a late duplicate, to drop)."""
+    segment = next((s for s in segments if s.first_step <= step <= s.last_step), None)
+    if segment is not None:
+        return segment.microbatches(step)
+    if step <= done_through:
+        return None
+    raise BadRequest(f"/{path} for step {step}, which no run command covers")
+
+
+def announced_microbatch(segments: Iterable[Segment], step: int, index: int, done_through: int,
+                         path: str) -> MicroBatch | None:
+    """Micro-batch ``index`` of ``step`` as :func:`announced_microbatches` finds it."""
+    microbatches = announced_microbatches(segments, step, done_through, path)
+    if microbatches is None:
+        return None
+    if index >= len(microbatches):
+        raise BadRequest(f"/{path} for micro-batch {index} of step {step}, which has {len(microbatches)}")
+    return microbatches[index]
+
+
+def is_late(step: int, done_through: int, truncated_after: int | None) -> bool:
+    """A message for a step already done (a retried delivery) or truncated away: dropped, nothing kept."""
+    return step <= done_through or (truncated_after is not None and step > truncated_after)
+
+
+def check_tensors(envelope: Envelope, expected: list[BoundaryTensor], path: str, batch: int | None = None) -> None:
+    """Names, dtypes and non-batch dimensions must be exactly the manifest's, with one batch size
+    (``batch`` when given)."""
+    names = sorted(envelope.tensors)
+    wanted = sorted(t.name for t in expected)
+    if names != wanted:
+        raise BadRequest(f"/{path} expects tensors {wanted}, got {names}")
+    batches: set[int] = set()
+    for spec in expected:
+        array = envelope.tensors[spec.name]
+        problem = spec.mismatch(array)
+        if problem is not None:
+            raise BadRequest(f"/{path}: tensor {spec.name!r} {problem}")
+        batches.update(spec.batch_sizes(array))
+    if len(batches) > 1 or 0 in batches:
+        raise BadRequest(f"/{path}: tensors have batch sizes {sorted(batches)}; expected one, at least 1")
+    if batch is not None and batches and batches != {batch}:
+        what = "the batch" if path == BATCH else f"micro-batch {envelope.microbatch} of step {envelope.step}"
+        raise BadRequest(f"/{path}: batch size {batches.pop()}; {what} has {batch} samples")

@@ -1,0 +1,111 @@
+"""``edgert plan``: cut a model for the devices a profile measured, and export that plan.
+
+The planner (edgert.exporter.planner.solver) chooses the cuts, the device order, the codecs of
+slow links and the threads; this module maps ``devices.json`` onto its problem (through
+the same :class:`Replanner` live re-planning uses), exports the plan folder, and writes
+``placement.json`` beside the manifest: which device runs which stage, with the predicted
+times (docs/PLANNER.md).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from edgert.devices import load_devices
+from edgert.exporter.errors import ExportError
+from edgert.exporter.planner.replanner import Replanner
+from edgert.manifest import Manifest, TrainingConfig
+
+PLACEMENT_NAME = "placement.json"
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One stage of an exported placement."""
+
+    index: int
+    blocks: tuple[str, ...]
+    device: str
+    url: str
+    compute_ms: float
+    forward_threads: int
+    backward_threads: int
+
+
+@dataclass(frozen=True)
+class PlannedPlacement:
+    """What ``placement.json`` holds."""
+
+    stages: tuple[PlannedStage, ...]
+    link_codecs: tuple[str, ...]
+    link_ms: tuple[float, ...]
+    bottleneck_ms: float
+    predicted_step_ms: float
+    unused_devices: tuple[str, ...]
+    schedule: str
+    batch_size: int
+    micro_batches: int
+    memory_mode: str
+
+    @property
+    def workers(self) -> list[str]:
+        """The ``--workers`` list for ``edgert train``, in stage order."""
+        return [stage.url for stage in self.stages]
+
+
+def plan_for_devices(model_path: Path, devices_path: Path, out_dir: Path, training: TrainingConfig,
+                     batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
+                     memory_mode: str = "recompute", allow_groups: bool = False) -> tuple[Manifest, PlannedPlacement]:
+    """Plan ``model_path`` for the devices of ``devices_path`` and export the plan into ``out_dir``."""
+    devices = load_devices(devices_path)
+    with tempfile.TemporaryDirectory(prefix="edgert-plan-") as scratch_name:
+        scratch = Path(scratch_name)
+        whole = _whole_model_plan(model_path, scratch / "whole", training)
+        replanner = Replanner(scratch / "whole", whole, scratch / "cache", devices=devices_path,
+                              batch_size=batch_size, micro_batches=micro_batches, schedule=schedule,
+                              memory_mode=memory_mode)
+        return _plan_and_export(replanner, devices, devices_path, out_dir, allow_groups, schedule, batch_size,
+                                micro_batches, memory_mode)
+
+
+def _plan_and_export(replanner: Replanner, devices, devices_path: Path, out_dir: Path, allow_groups: bool,
+                     schedule: str, batch_size: int, micro_batches: int,
+                     memory_mode: str) -> tuple[Manifest, PlannedPlacement]:
+    from edgert.exporter.planner.solver import plan
+
+    if replanner.source.sha256 != devices.model_sha256:
+        raise ExportError(f"{devices_path} was measured on another model (sha256 {devices.model_sha256[:12]}...)")
+    problem = replanner.problem([d.name for d in devices.devices])
+    if allow_groups:
+        from dataclasses import replace
+
+        problem = replace(problem, allow_groups=True)
+    placement = plan(problem)
+    if any(len(stage.devices) > 1 for stage in placement.stages):
+        raise ExportError("the best placement runs a stage on a group of devices, and edgert's runtime does not "
+                          "run data-parallel groups yet: plan with allow_groups=False")
+    cuts = [replanner.unit_first_block(u) for u in placement.cut_units()]
+    manifest = replanner.build(cuts, out_dir)
+    urls = {d.name: d.url for d in devices.devices}
+    stages = tuple(PlannedStage(k, entry.blocks, s.devices[0], urls.get(s.devices[0], ""), round(s.compute_ms, 3),
+                                s.forward_threads[0], s.backward_threads[0])
+                   for k, (entry, s) in enumerate(zip(manifest.stages, placement.stages)))
+    result = PlannedPlacement(stages=stages, link_codecs=tuple(placement.link_codecs),
+                              link_ms=tuple(round(v, 3) for v in placement.link_ms),
+                              bottleneck_ms=round(placement.bottleneck_ms, 3),
+                              predicted_step_ms=round(placement.predicted_step_ms, 3),
+                              unused_devices=tuple(placement.unused_devices), schedule=schedule,
+                              batch_size=batch_size, micro_batches=micro_batches, memory_mode=memory_mode)
+    (out_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return manifest, result
+
+
+def _whole_model_plan(model_path: Path, folder: Path, training: TrainingConfig) -> Manifest:
+    from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+    from edgert.exporter.source import load_source_model
+
+    source = load_source_model(model_path)
+    return write_plan(source, prepare_analysis(source, ExportOptions()), [], folder, training)

@@ -1,0 +1,1 @@
+"""exporter/planner: (map written later)."""

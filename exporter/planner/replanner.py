@@ -1,0 +1,383 @@
+"""Live re-planning: turn measured stage times into device costs, ask the planner, decide.
+
+Each device's cost of each unit comes from its profile (``devices.json``, or a quick profile
+the coordinator takes); the times the stages report while training correct it with a
+per-device factor (FTPipeHD's capacity ratio, updated at every check). A device without a
+profile is costed by the latency predictor fitted on the profiled ones, which learns that
+device's rates online from its reported stage times (AccEPT); with no profile at all, FLOPs
+stand in until the first measurements. A new placement is
+proposed only when its predicted step time beats the current one by the threshold and the
+gain over the next steps pays for the pause a re-partition costs (measured at the last
+re-partition; 1 s before the first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgert.devices import DevicesFile, load_devices
+from edgert.exporter.analyse import ModelAnalysis
+from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+from edgert.exporter.normalise import frozen_in
+from edgert.exporter.predictor.features import block_features
+from edgert.exporter.predictor.latency import LatencyPredictor, PredictorError, join_features
+from edgert.exporter.predictor.observations import observations_from_devices
+from edgert.exporter.source import SOURCE_FILE, load_plan_source
+from edgert.manifest import Manifest
+
+DEFAULT_PAUSE_S = 1.0
+HORIZON_STEPS = 50
+SMOOTHING = 0.5  # weight of the newest measurement in a device's speed factor
+SPEED_CHANGE = 1.5  # a measurement this far from the factor is a new speed (throttling), not noise
+FALLBACK_BANDWIDTH = 100e6  # bytes/s when no link was measured
+BACKWARD_PER_FORWARD = 3.0  # a backward call: recomputed forward + gradients, in forward-FLOP units
+FALLBACK_MS_PER_FLOP = 1e-6  # without a profile: 1 GFLOP/s; the measured stage times correct it
+FALLBACK_OPTIMIZER_MS_PER_BYTE = 3e-7
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """A worker's ms per micro-batch for every unit, and the fixed cost of a stage (whatever its units)."""
+
+    forward: list[float]
+    backward: list[float]
+    optimizer: list[float]
+    call: tuple[float, float, float] = (0.0, 0.0, 0.0)  # forward, backward and optimizer calls of a stage
+
+
+def split_stage_cost(forward: list[float], backward: list[float], optimizer: list[float],
+                     whole: tuple[float, float, float] | None, param_bytes: list[int] | None = None) -> UnitCosts:
+    """Reconcile one-unit measurements with the whole model measured as one stage.
+
+    ``n`` units measured alone pay a stage's fixed cost (session calls, boundary tensors)
+    ``n`` times, the whole model once: when the units sum to more than the whole, the fixed
+    cost is ``c = (sum - whole) / (n - 1)`` (at most the cheapest unit) and leaves the units.
+    When they sum to less (the optimizer: a large stage's state outgrows the caches), the
+    excess is spread over the units, by parameter bytes for the optimizer.
+    """
+    if whole is None or len(forward) < 2:
+        return UnitCosts(forward, backward, optimizer)
+    call, net = [], []
+    for kind, (values, total) in enumerate(zip((forward, backward, optimizer), whole)):
+        excess = total - sum(values)
+        if excess > 0:
+            weights = param_bytes if kind == 2 and param_bytes and sum(param_bytes) > 0 else values
+            scale = excess / sum(weights) if sum(weights) > 0 else 0.0
+            call.append(0.0)
+            net.append([v + w * scale for v, w in zip(values, weights)])
+        else:
+            fixed = min(-excess / (len(values) - 1), min(values))
+            call.append(fixed)
+            net.append([v - fixed for v in values])
+    return UnitCosts(*net, call=tuple(call))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """New cuts (block indices) and the worker of each stage, with why."""
+
+    cuts: tuple[int, ...]
+    workers: tuple[str, ...]
+    gain: float
+    current_ms: float
+    proposed_ms: float
+    reason: str
+
+
+class Replanner:
+    """Keeps device cost estimates and the exporter state needed to build new plans."""
+
+    def __init__(self, plan_dir: Path, manifest: Manifest, cache_dir: Path, devices: Path | None = None,
+                 threshold: float = 0.1, batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
+                 memory_mode: str = "recompute"):
+        self._source_path = Path(plan_dir) / SOURCE_FILE
+        self.source = load_plan_source(plan_dir, manifest.source_sha256)
+        self._profile_plans = None  # exported at the first live profile
+        self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions(frozen=frozen_in(manifest.metadata)))
+        self.training = manifest.training
+        self.memory_mode = memory_mode
+        self.cache_dir = cache_dir
+        self.threshold = threshold
+        self.schedule = schedule
+        self.micro_batches = micro_batches if schedule != "async" else 1
+        self.micro_batch = batch_size // self.micro_batches
+        self.devices: DevicesFile | None = load_devices(devices) if devices else None
+        self._units = self._unit_ranges()
+        features = block_features(self.analysis)
+        self._unit_features = [join_features(features[a:e]) for a, e in self._units]
+        self._param_bytes = [sum(b.param_bytes for b in self.analysis.blocks[a:e]) for a, e in self._units]
+        self._factor: dict[str, float] = {}
+        self._pause_s = DEFAULT_PAUSE_S
+        self.last_check: dict = {}  # what the latest propose() saw and decided, for the run log
+        self.predictor: LatencyPredictor | None = None
+        self._fit_predictor()
+
+    # -- building plans --------------------------------------------------------------------
+
+    def build(self, cuts: list[int], out_dir: Path) -> Manifest:
+        """Export the plan cut before each block index in ``cuts`` (stages re-used from the cache)."""
+        return write_plan(self.source, self.analysis, cuts, out_dir, self.training, cache=self.cache_dir)
+
+    def unit_first_block(self, unit: int) -> int:
+        """The block index a unit starts at (the planner cuts between units)."""
+        return self._units[unit][0]
+
+    def block_cuts(self, manifest: Manifest) -> list[int]:
+        index = {block.name: block.index for block in self.analysis.blocks}
+        return [index[name] for name in manifest.cuts]
+
+    def _unit_ranges(self) -> list[tuple[int, int]]:
+        legal = [c.index for c in self.analysis.cuts if c.legal]
+        bounds = [0, *legal, len(self.analysis.blocks)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    # -- costs ---------------------------------------------------------------------------------
+
+    def _baseline(self, worker: str) -> UnitCosts:
+        """``worker``'s cost of every unit (ms per micro-batch) and of being a stage, before correction.
+
+        From the worker's profile when there is one, else from the latency predictor, else from
+        FLOPs and parameter bytes.
+        """
+        profile = self._profile(worker)
+        if profile is not None:
+            scale = self.micro_batch / self.devices.micro_batch
+            units = ([t.forward_ms * scale for t in profile.blocks], [t.backward_ms * scale for t in profile.blocks],
+                     [t.optimizer_ms for t in profile.blocks])
+            whole = profile.whole
+            return split_stage_cost(*units, (whole.forward_ms * scale, whole.backward_ms * scale,
+                                             whole.optimizer_ms) if whole else None, self._param_bytes)
+        params = self._param_bytes
+        optimizer = [p * FALLBACK_OPTIMIZER_MS_PER_BYTE for p in params]
+        if self._predicts(worker):
+            if worker not in self.predictor.devices:
+                self.predictor.add_device(worker)
+            times = self.predictor.predict_many(worker, self._unit_features, [self.micro_batch] * len(self._units))
+            forward, backward = self.predictor.predict(worker, join_features(self._unit_features), self.micro_batch)
+            return split_stage_cost(list(times[:, 0]), list(times[:, 1]), optimizer,
+                                    (forward, backward, sum(optimizer)))
+        flops = [sum(b.flops for b in self.analysis.blocks[a:e]) * self.micro_batch for a, e in self._units]
+        return UnitCosts([f * FALLBACK_MS_PER_FLOP for f in flops],
+                         [f * FALLBACK_MS_PER_FLOP * BACKWARD_PER_FORWARD for f in flops], optimizer)
+
+    def _predicts(self, worker: str) -> bool:
+        """Whether ``worker``'s costs come from the latency predictor (it has no usable profile)."""
+        return self.predictor is not None and self._profile(worker) is None
+
+    def _fit_predictor(self) -> None:
+        """Fit the latency predictor on the profiles known so far (none: no predictor)."""
+        try:
+            observations = observations_from_devices(self.devices, self.analysis) if self.devices else []
+            self.predictor = LatencyPredictor().fit(observations) if observations else None
+        except PredictorError:
+            self.predictor = None  # profiles of another model version: FLOPs and measurements instead
+
+    def _costs(self, worker: str) -> tuple[list[float], list[float], float, float]:
+        """Forward and backward ms per unit and micro-batch as the planner sees them, and the stage's fixed
+        cost (as any stage, and as the last, which makes no forward call): corrected, optimizer included.
+
+        The optimizer steps once per batch (once per micro-batch under async); its time joins
+        the backward, which every stage, last or not, runs.
+        """
+        costs = self._baseline(worker)
+        factor = self._factor.get(worker, 1.0)
+        per_microbatch = 1.0 / self.micro_batches
+        call_forward, call_backward, call_optimizer = costs.call
+        last_call = (call_backward + call_optimizer * per_microbatch) * factor
+        return ([f * factor for f in costs.forward],
+                [(b + o * per_microbatch) * factor for b, o in zip(costs.backward, costs.optimizer)],
+                call_forward * factor + last_call, last_call)
+
+    def _stage_work(self, worker: str, first_block: int, end_block: int, last: bool) -> float:
+        """Uncorrected compute per micro-batch of a stage, as the runtime reports it (optimizer included)."""
+        costs = self._baseline(worker)
+        call_forward, call_backward, call_optimizer = costs.call
+        total = call_backward + call_optimizer / self.micro_batches + (0.0 if last else call_forward)
+        for u, (a, e) in enumerate(self._units):
+            if first_block <= a and e <= end_block:
+                own_forward = 0.0 if last else costs.forward[u]
+                total += own_forward + (costs.backward[u] - own_forward if self.stashing and not last
+                                        else costs.backward[u])
+                total += costs.optimizer[u] / self.micro_batches
+        return total
+
+    @property
+    def stashing(self) -> bool:
+        return self.memory_mode == "stash"
+
+    def observe(self, manifest: Manifest, workers: list[str], stage_times_ms: list[tuple[float, float, float]],
+                step_ms: float) -> None:
+        """Learn each worker's speed from its stage's measured (forward, backward, optimizer) ms per step.
+
+        A worker costed by the predictor refines its rates there; the others update their factor.
+        """
+        if not stage_times_ms:
+            return
+        cuts = [0, *self.block_cuts(manifest), len(self.analysis.blocks)]
+        for k, worker in enumerate(workers):
+            last = k == len(workers) - 1
+            forward, backward, optimizer = (t / self.micro_batches for t in stage_times_ms[k])
+            if self._predicts(worker):
+                self._observe_predicted(worker, cuts[k], cuts[k + 1], forward, backward, last)
+                continue
+            baseline = self._stage_work(worker, cuts[k], cuts[k + 1], last)
+            measured = forward + backward + optimizer
+            if baseline > 0 and measured > 0:
+                ratio = measured / baseline
+                old = self._factor.get(worker)
+                changed = old is None or not 1 / SPEED_CHANGE < ratio / old < SPEED_CHANGE
+                self._factor[worker] = ratio if changed else (1 - SMOOTHING) * old + SMOOTHING * ratio
+
+    def _observe_predicted(self, worker: str, first: int, end: int, forward: float, backward: float,
+                           last: bool) -> None:
+        """One stage time for the predictor, in its terms: a backward call includes the forward it recomputes."""
+        if backward <= 0 or (forward <= 0 and not last):
+            return
+        if self.stashing and not last:
+            backward += forward
+        features = join_features([f for u, f in enumerate(self._unit_features)
+                                  if first <= self._units[u][0] and self._units[u][1] <= end])
+        self.predictor.observe(worker, features, self.micro_batch, None if last else forward, backward)
+
+    async def profile(self, client, workers: dict[str, str], scratch: Path, repeats: int = 2,
+                      signing=None) -> None:
+        """Measure ``workers`` (URL -> name) on the units, one after another, and use the profiles from now on.
+
+        Without a ``devices.json``, FLOPs are a poor guide to a device's speed on another block
+        range; a quick profile (FTPipeHD re-profiles too) lets the planner place blocks by time.
+        One at a time, so workers that share a host's cores do not disturb each other's times.
+        """
+        from edgert.coordinator.profiling import export_profile_plans, profile_device, unit_names
+        from edgert.devices import DevicesFile
+
+        if self._profile_plans is None:
+            self._profile_plans = export_profile_plans(self._source_path, scratch, self.training)
+        plans = self._profile_plans
+        profiles = [await profile_device(client, plans, url, name, self.micro_batch, repeats,
+                                         memory_mode=self.memory_mode, signing=signing)
+                    for url, name in workers.items()]
+        known = {d.name: d for d in (self.devices.devices if self.devices else ())}
+        known.update({p.name: p for p in profiles})
+        self.devices = DevicesFile(model_sha256=self.source.sha256, blocks=tuple(unit_names(plans.units)),
+                                   micro_batch=self.micro_batch, memory_mode=self.memory_mode,
+            devices=tuple(known.values()), links=self.devices.links if self.devices else ())
+        for name in workers.values():
+            self._factor.pop(name, None)  # measured now: no correction learnt against the old baseline
+        self._fit_predictor()
+
+    def record_pause(self, seconds: float) -> None:
+        self._pause_s = seconds
+
+    def problem(self, workers: list[str]):
+        """The planner's view of the units and of the workers as measured so far."""
+        from edgert.exporter.planner.solver import DeviceCosts, PlanProblem
+
+        units = tuple(self._unit(u, a, e) for u, (a, e) in enumerate(self._units))
+        devices = []
+        for worker in workers:
+            forward, backward, call, last_call = self._costs(worker)
+            profile = self._profile(worker)
+            peaks = tuple(t.peak_bytes for t in profile.blocks) if profile else (0,) * len(units)
+            devices.append(DeviceCosts(name=worker, forward_ms=tuple(forward), backward_ms=tuple(backward),
+                                       peak_bytes=peaks, memory_bytes=profile.memory_bytes if profile else 0,
+                                       cores=profile.cores if profile else 1, call_ms=call,
+                                       last_call_ms=last_call))
+        bandwidth, rtt = self._links(workers)
+        slots = 2 if self.training.optimizer == "adamw" else int(bool(self.training.momentum))
+        return PlanProblem(units=units, devices=tuple(devices), bandwidth=bandwidth, rtt_ms=rtt,
+                           micro_batch=self.micro_batch, micro_batches=self.micro_batches, schedule=self.schedule,
+                           optimizer_slots=slots, stash=self.stashing)
+
+    def _unit(self, index: int, first: int, end: int):
+        from edgert.exporter.planner.solver import Unit
+
+        blocks = self.analysis.blocks[first:end]
+        crossing = self.analysis.inputs if first == 0 else self.analysis.cut_before(first).tensors
+        return Unit(name="+".join(b.name for b in blocks), param_bytes=sum(b.param_bytes for b in blocks),
+                    input_bytes=sum(t.bytes_per_sample for t in crossing),
+                    saved_bytes=sum(b.output_bytes for b in blocks))
+
+    def _profile(self, worker: str):
+        """``worker``'s profile when it times exactly the planner's units, else None."""
+        if self.devices is None:
+            return None
+        profile = next((d for d in self.devices.devices if d.name == worker), None)
+        return profile if profile is not None and len(profile.blocks) == len(self._units) else None
+
+    def _links(self, workers: list[str]) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+        bandwidth, rtt = [], []
+        for source in workers:
+            row_b, row_r = [], []
+            for target in workers:
+                link = self.devices.link(source, target) if self.devices else None
+                row_b.append(link.bandwidth_bytes_per_s if link else FALLBACK_BANDWIDTH)
+                row_r.append(link.rtt_ms if link else 0.5)
+            bandwidth.append(tuple(row_b))
+            rtt.append(tuple(row_r))
+        return tuple(bandwidth), tuple(rtt)
+
+    # -- deciding ------------------------------------------------------------------------------
+
+    def propose(self, manifest: Manifest, workers: list[str] | None, force: bool = False,
+                cuts: tuple[int, ...] | None = None, candidates: list[str] | None = None) -> Proposal | None:
+        """A better placement, or None when the current one (``workers`` by stage) is good enough.
+
+        The planner may order and use any of ``candidates`` (default: the current workers).
+        ``workers`` is None when no placement runs (a recovery, a resume); then ``candidates``,
+        however many, are required.
+        """
+        from edgert.exporter.planner.solver import plan
+
+        if workers is None and not candidates:
+            raise ValueError("propose needs candidates when there is no current placement")
+        current = self._current_ms(manifest, workers, candidates or [])
+        if cuts is not None:
+            return Proposal(tuple(cuts), tuple(workers), 1.0, current, current, "forced")
+        placement = plan(self.problem(list(candidates or workers)))
+        new_cuts = tuple(self._units[u][0] for u in placement.cut_units())
+        new_workers = tuple(stage.devices[0] for stage in placement.stages)
+        proposed = self._step_ms(placement)
+        gain = current / proposed if proposed > 0 else 1.0
+        unchanged = (workers is not None and list(new_cuts) == self.block_cuts(manifest)
+                     and list(new_workers) == list(workers))
+        saved_s = (current - proposed) / 1000 * HORIZON_STEPS
+        self.last_check = {"current_ms": round(current, 2), "proposed_ms": round(proposed, 2),
+                           "proposed_cuts": list(new_cuts), "proposed_workers": list(new_workers)}
+        if unchanged and not force:
+            self.last_check["decision"] = "keep: the current placement is the best"
+            return None
+        if not force and (gain < 1 + self.threshold or saved_s < self._pause_s):
+            self.last_check["decision"] = (f"keep: gain x{gain:.2f} below the threshold x{1 + self.threshold:.2f}"
+                                           if gain < 1 + self.threshold else
+                                           f"keep: saves {saved_s:.2f} s over {HORIZON_STEPS} steps, "
+                                           f"less than the {self._pause_s:.2f} s pause")
+            return None
+        reason = "forced" if force else (f"predicted step {current:.0f} -> {proposed:.0f} ms "
+                                         f"(x{gain:.2f}); pays back a {self._pause_s:.1f} s pause")
+        self.last_check["decision"] = "re-plan"
+        return Proposal(new_cuts, new_workers, gain, current, proposed, reason)
+
+    def _current_ms(self, manifest: Manifest, workers: list[str] | None, candidates: list[str]) -> float:
+        """The predicted step time of ``manifest``'s stages on ``workers``; infinite when no placement runs,
+        or when it no longer fits (a worker left)."""
+        from edgert.exporter.planner.solver import PlanError, evaluate
+
+        if workers is None or len(workers) != len(manifest.stages):
+            return float("inf")
+        pool = list(dict.fromkeys([*workers, *candidates]))
+        try:
+            return self._step_ms(evaluate(self.problem(pool), self._stages_of(manifest, workers)))
+        except PlanError:
+            return float("inf")
+
+    def _step_ms(self, placement) -> float:
+        """Time per batch: the bottleneck under async (no flush), the simulated window otherwise."""
+        return placement.bottleneck_ms if self.schedule == "async" else placement.predicted_step_ms
+
+    def _stages_of(self, manifest: Manifest, workers: list[str]) -> list[tuple[int, int, tuple[str]]]:
+        """The current stages as planner units ranges on their workers."""
+        starts = {a: u for u, (a, _) in enumerate(self._units)}
+        bounds = [0, *self.block_cuts(manifest), len(self.analysis.blocks)]
+        units = [starts.get(b, len(self._units)) for b in bounds]
+        return [(units[k], units[k + 1], (worker,)) for k, worker in enumerate(workers)]

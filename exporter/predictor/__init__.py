@@ -1,0 +1,1 @@
+"""exporter/predictor: (map written later)."""
