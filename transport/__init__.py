@@ -4,8 +4,7 @@ Map of the package (wire format: docs/PROTOCOL.md):
 
 - ``envelope.py``    :class:`Envelope`, :func:`encode_envelope`, :func:`decode_envelope`: the message
 - ``tensor.py``      RFC 8746 typed arrays in tag 40: zero-copy tensor encode/decode, dtype table
-- ``codec.py``       compression codecs ``none``/``fp16``/``int8``/``int4``/``topk``, :func:`get_codec`,
-  :func:`measure`
+- ``codec.py``       compression codecs ``none``/``fp16``/``int8``/``int4``/``topk``, :func:`get_codec`
 - ``cbor.py``        the CBOR subset (zero-copy byte strings, strict limits) under both of the above
 - ``limits.py``      :class:`Limits`: declared size and structure caps (4.13 / 4.00), connection limits
 - ``errors.py``      :class:`TransportError` and the CoAP-coded errors (``NotFound`` = 4.04 ...)
@@ -22,14 +21,13 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``guard.py``       what peers can make a server hold: connection cap, unverified-bytes budget, timeouts
 - ``framing.py``     RFC 8323 framing at the byte level (frame length, options, frame head)
 - ``deadline.py``    ``timeout``: bounding an awaited block on Python 3.10 and newer
-- ``bench.py``       the transport benchmark behind ``edgert bench transport`` / tools/bench_transport.py
 - ``tls.py``         credentials (:class:`TlsCredentials`), the TLS contexts of ``coaps+tcp``, revocation
 - ``oscore.py``      OSCORE for ``coap://``: the protecting client and the 4.01-answering server
 - ``oscore_keys.py`` OSCORE contexts from enrolment, with persistent sequence numbers and replay windows
 """
 
 from edgert.transport.client import ClientConfig, SyncClient, TensorClient
-from edgert.transport.codec import Codec, CodecStats, get_codec, measure
+from edgert.transport.codec import Codec, get_codec
 from edgert.transport.envelope import (
     CONTENT_FORMAT,
     KINDS,
@@ -60,10 +58,10 @@ from edgert.transport.server import TensorServer
 from edgert.transport.tensor import DTYPES, decode_tensor, encode_tensor
 
 __all__ = [
-    "BadRequest", "CONTENT_FORMAT", "ClientConfig", "Codec", "CodecStats", "DEFAULT_LIMITS", "DTYPES",
+    "BadRequest", "CONTENT_FORMAT", "ClientConfig", "Codec", "DEFAULT_LIMITS", "DTYPES",
     "Envelope", "InternalServerError", "KINDS", "Limits", "Link", "MalformedMessage", "MethodNotAllowed",
     "NotFound", "Observable", "Observation", "PeerUnreachable", "Request", "RequestTimeout", "Response",
     "ResponseError", "ServiceUnavailable", "SyncClient", "TensorClient", "TensorServer", "TooLarge",
     "TransportError", "UnsupportedCodec", "UnsupportedContentFormat", "decode_envelope", "decode_tensor",
-    "encode_envelope", "encode_tensor", "get_codec", "measure",
+    "encode_envelope", "encode_tensor", "get_codec",
 ]

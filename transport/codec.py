@@ -23,16 +23,14 @@ spec        what is sent                                               state
 ==========  =========================================================  ==========
 
 Encoders are objects (:func:`get_codec`), decoders are stateless
-(:func:`decode_coded`). :func:`measure` reports ratio and reconstruction error.
+(:func:`decode_coded`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -369,45 +367,3 @@ def _channel_shape(ndim: int, axis: int | None) -> tuple[int, ...]:
     if axis is None:
         return (1,) * ndim if ndim else ()
     return tuple(-1 if i == axis else 1 for i in range(ndim))
-
-
-@dataclass(frozen=True)
-class CodecStats:
-    """What a codec did to one tensor: size ratio, error, and time."""
-
-    codec: str
-    raw_bytes: int
-    wire_bytes: int
-    ratio: float
-    rel_rms: float
-    max_abs: float
-    encode_ms: float
-    decode_ms: float
-
-
-def measure(codec: str | Codec, array: np.ndarray, limits: Limits | None = None) -> CodecStats:
-    """Encode and decode ``array`` once (fresh state for stateful codecs) and report ratio and error."""
-    from edgert.transport.envelope import decode_tensor_entry, encode_tensor_entry
-
-    codec = get_codec(codec.spec if isinstance(codec, Codec) else codec)
-    limits = limits or Limits(max_tensor_bytes=max(array.nbytes, 1), max_payload_bytes=max(array.nbytes * 2, 1 << 20))
-    start = time.perf_counter()
-    wire = encode_tensor_entry(array, codec)
-    middle = time.perf_counter()
-    restored = decode_tensor_entry(wire, limits)
-    end = time.perf_counter()
-    ref = array.astype(np.float64)
-    err = restored.astype(np.float64) - ref
-    rms_ref = float(np.sqrt(np.mean(ref * ref))) if ref.size else 0.0
-    rms_err = float(np.sqrt(np.mean(err * err))) if err.size else 0.0
-    return CodecStats(
-        codec=codec.spec,
-        raw_bytes=array.nbytes,
-        wire_bytes=len(wire),
-        ratio=array.nbytes / len(wire) if len(wire) else math.inf,
-        rel_rms=rms_err / rms_ref if rms_ref else rms_err,
-        max_abs=float(np.max(np.abs(err))) if err.size else 0.0,
-        encode_ms=(middle - start) * 1e3,
-        decode_ms=(end - middle) * 1e3,
-    )
-

@@ -1,1 +1,18 @@
-"""edgert/bench: (map written later)."""
+"""edgert.bench: the benchmarks behind ``edgert bench <name>`` (edgert/cli/bench.py), beside the runtime.
+
+The ``edgert bench`` commands and the tests import this package; the worker, the contract
+and the wire never do.
+
+Map of the package:
+
+- ``harness.py``    what every benchmark shares: config options (:func:`option`), the result
+  ``{"rows", "ratios"}``, same-run :func:`ratio`, :class:`Target`, fixed-width tables
+- ``runs.py``       training runs as the benchmarks start them (loopback coordinator), :func:`steady_rate`
+- ``transport.py``  ``edgert bench transport``: raw TCP vs coap+tcp vs coap (UDP), large-message strategies
+- ``codecs.py``     the codec measurements: :func:`measure` (one codec, one tensor), sample tensors, codec rows
+- ``recovery.py``   ``edgert bench recovery``: a SIGKILL mid-step, recovery vs restart, replication's cost
+- ``faults.py``     fault injection shared with the tests: kill workers mid-step, tail ``metrics.jsonl``
+- ``pipeline.py``   ``edgert bench pipeline``: edgert's overhead over bare ORT, 1F1B's pipeline efficiency
+- ``hetero.py``     ``edgert bench hetero``: planned vs equal cuts vs the ideal on unequal devices, re-planning
+- ``portable.py``   ``edgert bench portable``: portable stage graphs vs the training build's, stage by stage
+"""

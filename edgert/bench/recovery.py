@@ -1,6 +1,6 @@
 """The recovery benchmark: a real SIGKILL mid-step, recovery vs restart, the cost of replication.
 
-Run by ``edgert bench recovery`` (and ``tools/bench_recovery.py``). One run, on loopback,
+Run by ``edgert bench recovery`` (edgert/cli/bench.py). One run, on loopback,
 with real ``edgert worker`` processes (LocalCluster); the model and data are the demo's
 (``cnn`` on scikit-learn's digits, 4 stages, 1F1B, batch 64 in 4 micro-batches, lr 3e-3).
 Every fault-tolerant run gets the same ``devices.json``, profiled once at the start, so no
@@ -50,11 +50,26 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edgert.bench.faults import MetricsTail, Outcome, run_and_kill
+from edgert.bench.harness import (
+    Column,
+    Progress,
+    Target,
+    cell,
+    heading,
+    line,
+    option,
+    progress_field,
+    ratio,
+    result,
+    table,
+    target_lines,
+)
+from edgert.bench.runs import LISTEN, steady_rate, train_config
 from edgert.coordinator.coordinator import TrainConfig, train
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
@@ -62,7 +77,6 @@ from edgert.errors import EdgertError
 
 STAGES = 4
 COMPUTING = ("forward", "backward")  # a victim's /health activity while it computes: "mid-step"
-LISTEN = "coap+tcp://127.0.0.1:0"  # every run's coordinator, in this process or an `edgert train` one
 EDGERT_TRAIN = [sys.executable, "-m", "edgert", "train"]
 
 
@@ -70,21 +84,21 @@ EDGERT_TRAIN = [sys.executable, "-m", "edgert", "train"]
 class BenchConfig:
     """What to measure; the defaults take about 2 minutes on a 2-core machine."""
 
-    model: str = "cnn"
-    steps: int = 100
-    kill_at: int = 50
-    victim: int = 2
-    replicate_every: int = 20
-    central_every: int = 100
-    batch_size: int = 64
-    micro_batches: int = 4
-    schedule: str = "1f1b"
-    learning_rate: float = 3e-3
-    threads: int = 1
-    repeats: int = 6
-    warmup: int = 10
-    keep: Path | None = None
-    progress: Callable[[str], None] = field(default=lambda _: None, compare=False)
+    model: str = option("cnn", "Zoo model (the demo's).")
+    steps: int = option(100, "Steps of every run.")
+    kill_at: int = option(50, "Kill once this step has completed, while the victim computes.")
+    victim: int = option(2, "Stage whose worker is killed.")
+    replicate_every: int = option(20, "K: steps between replicas.")
+    central_every: int = option(100, "Steps between copies to the coordinator.")
+    batch_size: int = option(64, "Samples per step.")
+    micro_batches: int = option(4, "Micro-batches per step.")
+    schedule: str = option("1f1b", "Pipeline schedule.", choices=("gpipe", "1f1b", "async"))
+    learning_rate: float = option(3e-3, "Learning rate of the exported plan.", flag="--lr")
+    threads: int = option(1, "ORT intra-op threads per worker session.")
+    repeats: int = option(6, "Pairs of throughput runs (with / without replication, alternating).")
+    warmup: int = option(10, "Steps left out of each throughput figure.")
+    keep: Path | None = option(None, "Write the plan, runs and logs here (default: a temporary folder).", type=Path)
+    progress: Progress = progress_field()
 
     def check(self) -> None:
         if self.steps < 2 or not 0 <= self.kill_at < self.steps - 1:
@@ -128,7 +142,7 @@ class _Bench:
             "recovery_s": kill["recovery_s"],
             "steps_lost": kill["steps_lost"],
             "restart_s": restart["restart_s"],
-            "recovery_vs_restart": _ratio(restart["restart_s"], kill["recovery_s"]),
+            "recovery_vs_restart": ratio(restart["restart_s"], kill["recovery_s"], 2),
             "replication_overhead": throughput["overhead"],
             "replication_overhead_range": throughput["overhead_range"],
             "replication_overhead_local": throughput["overhead_local"],
@@ -139,10 +153,9 @@ class _Bench:
             "two_failures_adjacent_r2_recovery_s": two[1]["recovery_s"],
         }
         c = self.config
-        return {"rows": [*throughput["rows"], kill, *two, restart], "ratios": ratios, "model": c.model,
-                "steps": c.steps, "kill_at": c.kill_at, "replicate_every": c.replicate_every,
-                "central_every": c.central_every, "schedule": c.schedule,
-                "seconds": round(time.monotonic() - started, 1)}
+        return result([*throughput["rows"], kill, *two, restart], ratios, model=c.model, steps=c.steps,
+                      kill_at=c.kill_at, replicate_every=c.replicate_every, central_every=c.central_every,
+                      schedule=c.schedule, seconds=round(time.monotonic() - started, 1))
 
     def _prepare(self) -> None:
         from edgert.coordinator.profiling import profile_devices
@@ -170,8 +183,7 @@ class _Bench:
         settings.update(options)
         if not (settings["replicate_every"] or settings["central_every"]):
             settings["devices"] = None  # fault tolerance off: no planner, nothing to profile
-        return TrainConfig(plan_dir=self.plan, workers=tuple(workers), out_dir=out, listen=LISTEN,
-                           progress=False, **settings)
+        return train_config(self.plan, workers, out, **settings)
 
     def _cluster(self, count: int, names: list[str] | None = None) -> LocalCluster:
         return LocalCluster(count, names=names, log_dir=self.scratch / "worker-logs")
@@ -320,14 +332,6 @@ class _Bench:
         return row
 
 
-def steady_rate(records: list[dict[str, Any]], warmup: int, period: int) -> float:
-    """Samples per second over the steps after ``warmup``, cut to a whole number of ``period``-step windows."""
-    steps = [m for m in records if m["type"] == "step"][warmup:]
-    if len(steps) >= period:
-        steps = steps[len(steps) % period:]
-    return sum(m["samples"] for m in steps) / sum(m["step_ms"] / 1000 for m in steps)
-
-
 def copy_step_excess(runs: list[list[dict[str, Any]]], warmup: int, every: int, central_every: int,
                      after: int = 3, around: int = 10) -> float:
     """The share of the steady steps' time spent in excess at the steps where copies are made.
@@ -379,10 +383,6 @@ def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 2)
-
-
 def _pp(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(abs(a - b) * 100, 3)
 
@@ -390,18 +390,34 @@ def _pp(a: float | None, b: float | None) -> float | None:
 # -- reporting ------------------------------------------------------------------------------------
 
 
-def targets(result: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
-    """(figure, comparison, bound, description) of every target."""
+def targets(result: dict[str, Any]) -> list[Target]:
+    """Every target (``steps_lost``'s bound is the run's ``--replicate-every``)."""
     return [
-        ("recovery_s", "<=", 3.0, "seconds from the SIGKILL to the first step after recovery"),
-        ("steps_lost", "<=", result["replicate_every"], "steps replayed (at most --replicate-every)"),
-        ("recovery_vs_restart", ">=", 10.0, "restart from the coordinator's snapshot / recovery"),
-        ("replication_overhead", "<=", 0.05, "throughput lost to replication (A/B runs)"),
-        ("replication_overhead_local", "<=", 0.05, "the same, within runs (step time at the copy steps)"),
-        ("accuracy_delta_pp", "<=", 1.0, "test accuracy, killed run vs undisturbed (pp)"),
-        ("two_failures_nonadjacent_ok", "==", True, "two non-adjacent failures, 1 replica"),
-        ("two_failures_adjacent_r2_ok", "==", True, "two adjacent failures, 2 replicas"),
+        Target("recovery_s", "<=", 3.0, "seconds from the SIGKILL to the first step after recovery"),
+        Target("steps_lost", "<=", result["replicate_every"], "steps replayed (at most --replicate-every)"),
+        Target("recovery_vs_restart", ">=", 10.0, "restart from the coordinator's snapshot / recovery"),
+        Target("replication_overhead", "<=", 0.05, "throughput lost to replication (A/B runs)"),
+        Target("replication_overhead_local", "<=", 0.05, "the same, within runs (step time at the copy steps)"),
+        Target("accuracy_delta_pp", "<=", 1.0, "test accuracy, killed run vs undisturbed (pp)"),
+        Target("two_failures_nonadjacent_ok", "==", True, "two non-adjacent failures, 1 replica"),
+        Target("two_failures_adjacent_r2_ok", "==", True, "two adjacent failures, 2 replicas"),
     ]
+
+
+THROUGHPUT_COLUMNS = (
+    Column("fault tolerance", 18, "run", left=True),
+    Column("replicate/central", 19, lambda row: f"{row['replicate_every']}/{row['central_every']}"),
+    Column("median samples/s", 18, "median_samples_per_s", "{:.1f}"),
+    Column("copy steps", 12, "copy_step_excess", "{:.2%}"),
+    Column("  runs", 0, lambda row: f"  {row['samples_per_s']}", left=True),
+)
+FAILURE_COLUMNS = (
+    Column("run", 50, "run", left=True),
+    Column("ok", 4, lambda row: "yes" if row.get("ok", True) else "NO"),
+    Column("resumed s", 11, "recovery_s"), Column("detect s", 10, "detection_s"),
+    Column("replan s", 10, "replan_s"), Column("move s", 8, "transfer_s"),
+    Column("lost", 6, "steps_lost", "{}"), Column("accuracy", 10, "test_accuracy", "{:.4f}"),
+)
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -410,24 +426,15 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"Recovery ({result['model']}, {STAGES} workers, {result['steps']} steps, {result['schedule']}, "
              f"--replicate-every {result['replicate_every']}, kill after step {result['kill_at']})", "",
              "Throughput (undisturbed runs, alternating)",
-             f"{'fault tolerance':<18}{'replicate/central':>19}{'median samples/s':>18}{'copy steps':>12}  runs"]
-    for row in rows:
-        if row["section"] == "throughput":
-            lines.append(f"{row['run']:<18}{row['replicate_every']:>10}/{row['central_every']:<8}"
-                         f"{row['median_samples_per_s']:>18.1f}{row['copy_step_excess']:>12.2%}"
-                         f"  {row['samples_per_s']}")
+             *table(THROUGHPUT_COLUMNS, [row for row in rows if row["section"] == "throughput"])]
     low, high = figures["replication_overhead_range"]
     lines.append(f"replication overhead: {figures['replication_overhead']:.2%} (pairs from {low:.2%} to {high:.2%}); "
                  f"within runs, at the copy steps: {figures['replication_overhead_local']:.2%}")
-    lines += ["", f"Failures (undisturbed accuracy: {_cell(rows[0].get('first_run_test_accuracy'), '{:.4f}')})",
-              f"{'run':<50}{'ok':>4}{'resumed s':>11}{'detect s':>10}{'replan s':>10}{'move s':>8}{'lost':>6}"
-              f"{'accuracy':>10}"]
+    lines += ["", f"Failures (undisturbed accuracy: {cell(rows[0].get('first_run_test_accuracy'), '{:.4f}')})",
+              heading(FAILURE_COLUMNS)]
     for row in rows:
         if row["section"] in ("kill", "two_failures"):
-            ok = "yes" if row.get("ok", True) else "NO"
-            lines.append(f"{row['run']:<50}{ok:>4}{_cell(row.get('recovery_s')):>11}{_cell(row.get('detection_s')):>10}"
-                         f"{_cell(row.get('replan_s')):>10}{_cell(row.get('transfer_s')):>8}"
-                         f"{_cell(row.get('steps_lost'), '{}'):>6}{_cell(row.get('test_accuracy'), '{:.4f}'):>10}")
+            lines.append(line(FAILURE_COLUMNS, row))
             if "error" in row:
                 lines.append(f"    error: {row['error']}")
     restart = next((row for row in rows if row["section"] == "restart"), None)
@@ -441,28 +448,9 @@ def format_table(result: dict[str, Any]) -> str:
                   f"afresh, assigning them, restoring the snapshot",
                   f"+ {restart['first_step_s']:.3f} s to its first step",
                   f"= {restart['restart_s']:.3f} s; resumed after step {restart['snapshot_step']} "
-                  f"({restart['steps_lost']} steps lost), final accuracy {_cell(restart['test_accuracy'], '{:.4f}')}"]
-    lines += ["", "Targets"]
-    for key, op, bound, text in targets(result):
-        value = figures.get(key)
-        if value is None:
-            lines.append(f"  FAIL  {text}: not measured")
-            continue
-        ok = value == bound if op == "==" else value >= bound if op == ">=" else value <= bound
-        shown = str(value) if isinstance(value, bool) else f"{value:.4g}"
-        lines.append(f"  {'PASS' if ok else 'FAIL'}  {text}: {shown} (target {op} {bound})")
+                  f"({restart['steps_lost']} steps lost), final accuracy {cell(restart['test_accuracy'], '{:.4f}')}"]
+    lines += ["", *target_lines(targets(result), figures, missing="FAIL")]
     lines.append(f"  (two failures, seconds to resume: non-adjacent "
-                 f"{_cell(figures.get('two_failures_nonadjacent_recovery_s'))}, adjacent with 2 replicas "
-                 f"{_cell(figures.get('two_failures_adjacent_r2_recovery_s'))}; benchmark took {result['seconds']} s)")
+                 f"{cell(figures.get('two_failures_nonadjacent_recovery_s'))}, adjacent with 2 replicas "
+                 f"{cell(figures.get('two_failures_adjacent_r2_recovery_s'))}; benchmark took {result['seconds']} s)")
     return "\n".join(lines)
-
-
-def _cell(value: Any, pattern: str = "{:.3f}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
-def config_from(options: dict[str, Any]) -> BenchConfig:
-    """A :class:`BenchConfig` from ``edgert bench recovery``'s keyword arguments (``--lr``: ``learning_rate``)."""
-    values = {("learning_rate" if name == "lr" else name): value for name, value in options.items()
-              if value is not None}
-    return BenchConfig(**values, progress=lambda text: print(text, file=sys.stderr))

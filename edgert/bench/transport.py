@@ -1,6 +1,6 @@
 """The transport benchmark: raw TCP vs CoAP over TCP vs CoAP over UDP, large-message strategies, codecs.
 
-Run by ``tools/bench_transport.py`` and ``edgert bench transport``. The servers
+Run by ``edgert bench transport`` (edgert/cli/bench.py). The servers
 run in a child process (each side has its own core, as two devices would) on
 loopback; the client measures each transport in rotating blocks so drift hits
 all of them alike.
@@ -21,14 +21,14 @@ Sections:
   aiocoap's 1 MiB limit), and as 1 MiB chunks POSTed concurrently and reassembled
   by the resource (chunking at the application layer).
 - ``codec``: ratio, relative RMS error and encode+decode time of each codec on a
-  4 MiB float32 activation tensor (ReLU, per-channel scales) or, for top-k, a gradient.
+  4 MiB float32 activation tensor (ReLU, per-channel scales) or, for top-k, a gradient
+  (:mod:`edgert.bench.codecs`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import multiprocessing
 import statistics
@@ -41,8 +41,10 @@ from typing import Any
 import numpy as np
 from aiocoap.numbers.codes import Code
 
+from edgert.bench.codecs import measure_codecs
+from edgert.bench.harness import Column, Target, option, ratio, result, table, target_lines
+from edgert.errors import EdgertError
 from edgert.transport.client import ClientConfig, TensorClient
-from edgert.transport.codec import measure
 from edgert.transport.envelope import Envelope, decode_envelope, encode_envelope
 from edgert.transport.limits import KiB, Limits, MiB
 from edgert.transport.message import Request, Response
@@ -50,31 +52,46 @@ from edgert.transport.server import TensorServer
 from edgert.transport.tls import TlsCredentials
 
 SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
-CODECS = {
-    "fp16": "fp16",
-    "int8": "int8",
-    "int8_channel": "int8:axis=1",
-    "int4": "int4",
-    "int4_channel": "int4:axis=1",
-    "topk": "topk:ratio=0.01",
-}
 CHUNK = 1 * MiB
 BENCH_LIMITS = Limits(max_payload_bytes=80 * MiB, max_tensor_bytes=80 * MiB, max_decoded_bytes=160 * MiB)
+
+
+def parse_size(text: str) -> int:
+    """'4K', '4KiB', '16M', '1048576' -> bytes."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    factor = {"K": KiB, "M": MiB}.get(value[-1:], 1)
+    digits = value[:-1] if factor != 1 else value
+    if not digits.isdigit() or int(digits) <= 0:
+        raise ValueError(f"size {text!r} must look like 4K, 16M or a byte count")
+    return int(digits) * factor
+
+
+def size_text(nbytes: int, space: str = " ") -> str:
+    """4194304 -> '4 MiB' (whole KiB or MiB, as the sizes measured are)."""
+    return f"{nbytes // MiB}{space}MiB" if nbytes >= MiB else f"{nbytes // KiB}{space}KiB"
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     """What to measure; defaults reproduce the documented figures."""
 
-    sizes: tuple[int, ...] = SIZES
-    udp_max_bytes: int = 16 * MiB
-    repeat: float = 1.0
-    strategies: bool = True
-    codecs: bool = True
+    sizes: tuple[int, ...] = option(
+        SIZES, "Comma-separated tensor sizes.", parse=lambda text: tuple(parse_size(s) for s in text.split(",")),
+        show=lambda sizes: ",".join(size_text(s, "") for s in sizes))
+    udp_max_bytes: int = option(16 * MiB, "Largest size also sent over CoAP/UDP (slow).", flag="--udp-max",
+                                parse=parse_size, show=lambda size: size_text(size, ""))
+    repeat: float = option(1.0, "Scale the number of repetitions.")
+    strategies: bool = option(True, "Compare large-message strategies.")
+    codecs: bool = option(True, "Measure the compression codecs.")
+
+    def check(self) -> None:
+        if self.repeat <= 0:
+            raise EdgertError(f"--repeat must be > 0, got {self.repeat}")
 
 
 def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
     """Run the whole benchmark; returns ``{"rows": [...], "ratios": {...}}``."""
+    config.check()
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     keys = tempfile.TemporaryDirectory(prefix="edgert-bench-keys-")
@@ -93,8 +110,8 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
             process.join()
         keys.cleanup()  # after the server saved its OSCORE state there
     if config.codecs:
-        rows += measure_codecs()
-    return {"rows": rows, "ratios": ratios(rows)}
+        rows += measure_codecs(BENCH_LIMITS)
+    return result(rows, ratios(rows))
 
 
 # -- server process -------------------------------------------------------------
@@ -310,48 +327,6 @@ async def _interleave(section: str, size: int, plan: dict[str, Any], reps: dict[
     return rows
 
 
-def activation_tensor(nbytes: int = 4 * MiB, seed: int = 0) -> np.ndarray:
-    """A ReLU activation batch [N, 64, 32, 32] with per-channel scale and shift (what int8 per channel is for)."""
-    rng = np.random.default_rng(seed)
-    count = nbytes // 4
-    batch = max(1, count // (64 * 32 * 32))
-    scale = rng.uniform(0.2, 3.0, 64).astype(np.float32).reshape(1, 64, 1, 1)
-    shift = rng.uniform(-0.5, 1.0, 64).astype(np.float32).reshape(1, 64, 1, 1)
-    x = rng.standard_normal((batch, 64, 32, 32), dtype=np.float32) * scale + shift
-    return np.maximum(x, 0, out=x)
-
-
-def gradient_tensor(nbytes: int = 4 * MiB, seed: int = 1) -> np.ndarray:
-    """A gradient-like tensor: heavy-tailed (Student t, 3 dof) values of scale 1e-3."""
-    rng = np.random.default_rng(seed)
-    return (rng.standard_t(3, nbytes // 4) * 1e-3).astype(np.float32)
-
-
-def measure_codecs(nbytes: int = 4 * MiB, reps: int = 7) -> list[dict[str, Any]]:
-    """Codec rows: envelope encode+decode without a codec, then each codec's ratio, error and time."""
-    rows = []
-    activations = activation_tensor(nbytes)
-    env = Envelope("activations", tensors={"x": activations})
-    samples = []
-    for _ in range(reps * 3):
-        start = time.perf_counter()
-        decode_envelope(encode_envelope(env), BENCH_LIMITS)
-        samples.append(time.perf_counter() - start)
-    rows.append({"section": "codec", "codec": "none", "tensor": "activations", "bytes": activations.nbytes,
-                 "wire_bytes": len(encode_envelope(env)), "ratio": activations.nbytes / len(encode_envelope(env)),
-                 "rel_rms": 0.0, "max_abs": 0.0, "ms": statistics.median(samples) * 1e3})
-    for key, spec in CODECS.items():
-        tensor = gradient_tensor(nbytes) if key == "topk" else activations
-        stats = [measure(spec, tensor, BENCH_LIMITS) for _ in range(reps)]
-        best = stats[0]
-        rows.append({
-            "section": "codec", "codec": key, "spec": spec, "tensor": "gradients" if key == "topk" else "activations",
-            "bytes": tensor.nbytes, "wire_bytes": best.wire_bytes, "ratio": best.ratio, "rel_rms": best.rel_rms,
-            "max_abs": best.max_abs, "ms": statistics.median(s.encode_ms + s.decode_ms for s in stats),
-        })
-    return rows
-
-
 # -- summary --------------------------------------------------------------------
 
 
@@ -362,38 +337,36 @@ def _row(rows: list[dict[str, Any]], section: str, name: str, size: int) -> dict
     return None
 
 
+# (figure, section, baseline, other, size): the baseline's median round trip / the other's, the same bytes
+TIME_RATIOS = (
+    ("coap_tcp_vs_raw_4MiB", "transport", "raw-tcp", "coap+tcp", 4 * MiB),
+    ("coap_udp_vs_raw_4MiB", "transport", "raw-tcp", "coap-udp", 4 * MiB),
+    ("coaps_tcp_vs_coap_tcp_4MiB", "transport", "coap+tcp", "coaps+tcp", 4 * MiB),
+    # what TLS itself costs a bare stream on this host: the ceiling of the ratio above
+    ("raw_tls_vs_raw_tcp_4MiB", "transport", "raw-tcp", "raw-tls", 4 * MiB),
+    ("oscore_udp_vs_coap_udp_4KiB", "transport", "coap-udp", "coap-udp+oscore", 4 * KiB),
+    ("coap_tcp_vs_raw_16MiB", "transport", "raw-tcp", "coap+tcp", 16 * MiB),
+    ("single_vs_bert_4MiB", "strategy", "bert-1MiB", "single-message", 4 * MiB),
+    ("single_vs_chunked_4MiB", "strategy", "chunked-1MiB", "single-message", 4 * MiB),
+    ("single_vs_bert_16MiB", "strategy", "bert-1MiB", "single-message", 16 * MiB),
+    ("single_vs_chunked_16MiB", "strategy", "chunked-1MiB", "single-message", 16 * MiB),
+)
+
+
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The headline figures (throughput ratios are time ratios for the same bytes)."""
+    def ms(section: str, name: str, size: int) -> float | None:
+        row = _row(rows, section, name, size)
+        return row["rtt_ms_median"] if row else None
+
     out: dict[str, float] = {}
-    raw4 = _row(rows, "transport", "raw-tcp", 4 * MiB)
-    for name, key in (("coap+tcp", "coap_tcp_vs_raw_4MiB"), ("coap-udp", "coap_udp_vs_raw_4MiB")):
-        row = _row(rows, "transport", name, 4 * MiB)
-        if raw4 and row:
-            out[key] = raw4["rtt_ms_median"] / row["rtt_ms_median"]
-    tcp4, tls4 = _row(rows, "transport", "coap+tcp", 4 * MiB), _row(rows, "transport", "coaps+tcp", 4 * MiB)
-    if tcp4 and tls4:
-        out["coaps_tcp_vs_coap_tcp_4MiB"] = tcp4["rtt_ms_median"] / tls4["rtt_ms_median"]
-    raw_tls4 = _row(rows, "transport", "raw-tls", 4 * MiB)
-    if raw4 and raw_tls4:  # what TLS itself costs a bare stream on this host: the ceiling of the ratio above
-        out["raw_tls_vs_raw_tcp_4MiB"] = raw4["rtt_ms_median"] / raw_tls4["rtt_ms_median"]
-    udp4, oscore4 = _row(rows, "transport", "coap-udp", 4 * KiB), _row(rows, "transport", "coap-udp+oscore", 4 * KiB)
-    if udp4 and oscore4:
-        out["oscore_udp_vs_coap_udp_4KiB"] = udp4["rtt_ms_median"] / oscore4["rtt_ms_median"]
-    raw16, tcp16 = _row(rows, "transport", "raw-tcp", 16 * MiB), _row(rows, "transport", "coap+tcp", 16 * MiB)
-    if raw16 and tcp16:
-        out["coap_tcp_vs_raw_16MiB"] = raw16["rtt_ms_median"] / tcp16["rtt_ms_median"]
-    small = _row(rows, "transport", "coap+tcp", 4 * KiB)
-    if small:
-        out["rtt_4KiB_ms"] = small["rtt_ms_median"]
-    raw_small = _row(rows, "transport", "raw-tcp", 4 * KiB)
-    if raw_small:
-        out["raw_rtt_4KiB_ms"] = raw_small["rtt_ms_median"]
-    for size, label in ((4 * MiB, "4MiB"), (16 * MiB, "16MiB")):
-        single = _row(rows, "strategy", "single-message", size)
-        for name, key in (("bert-1MiB", "bert"), ("chunked-1MiB", "chunked")):
-            other = _row(rows, "strategy", name, size)
-            if single and other:
-                out[f"single_vs_{key}_{label}"] = other["rtt_ms_median"] / single["rtt_ms_median"]
+    for key, section, baseline, other, size in TIME_RATIOS:
+        value = ratio(ms(section, baseline, size), ms(section, other, size))
+        if value is not None:
+            out[key] = value
+    for key, name in (("rtt_4KiB_ms", "coap+tcp"), ("raw_rtt_4KiB_ms", "raw-tcp")):
+        if ms("transport", name, 4 * KiB) is not None:
+            out[key] = ms("transport", name, 4 * KiB)
     for row in rows:
         if row["section"] != "codec":
             continue
@@ -406,82 +379,41 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 TARGETS = (
-    ("coap_tcp_vs_raw_4MiB", ">=", 0.5, "coap+tcp throughput / raw TCP, 4 MiB"),
-    ("coaps_tcp_vs_coap_tcp_4MiB", ">=", 0.8, "protected (TLS) coap+tcp throughput / plaintext, 4 MiB"),
-    ("rtt_4KiB_ms", "<=", 1.0, "coap+tcp round trip of a 4 KiB tensor, ms (median)"),
-    ("codec_ms_4MiB", "<=", 2.0, "encode + decode of a 4 MiB float32 envelope, ms"),
-    ("int8_channel_ratio", ">=", 3.9, "int8 per channel on activations, size ratio"),
-    ("int8_channel_rel_rms", "<=", 0.01, "int8 per channel on activations, relative RMS error"),
+    Target("coap_tcp_vs_raw_4MiB", ">=", 0.5, "coap+tcp throughput / raw TCP, 4 MiB"),
+    Target("coaps_tcp_vs_coap_tcp_4MiB", ">=", 0.8, "protected (TLS) coap+tcp throughput / plaintext, 4 MiB"),
+    Target("rtt_4KiB_ms", "<=", 1.0, "coap+tcp round trip of a 4 KiB tensor, ms (median)"),
+    Target("codec_ms_4MiB", "<=", 2.0, "encode + decode of a 4 MiB float32 envelope, ms"),
+    Target("int8_channel_ratio", ">=", 3.9, "int8 per channel on activations, size ratio"),
+    Target("int8_channel_rel_rms", "<=", 0.01, "int8 per channel on activations, relative RMS error"),
 )
+
+
+def _transfer_columns(first: str) -> list[Column]:
+    return [Column(first, 16, "transport", left=True), Column("tensor", 10, lambda row: size_text(row["bytes"])),
+            Column("reps", 6, "reps"), Column("median ms", 12, "rtt_ms_median", "{:.3f}"),
+            Column("p90 ms", 10, "rtt_ms_p90", "{:.3f}"), Column("MB/s", 10, "mb_per_s", "{:.1f}")]
+
+
+CODEC_COLUMNS = (Column("codec", 14, "codec", left=True), Column("spec", 16, "spec", left=True),
+                 Column("ratio", 8, "ratio", "{:.2f}"), Column("rel RMS", 11, "rel_rms", "{:.5f}"),
+                 Column("max abs", 10, "max_abs", "{:.4f}"), Column("enc+dec ms", 12, "ms", "{:.2f}"))
 
 
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable report."""
     rows, figures = result["rows"], result["ratios"]
     lines = ["Transport (loopback, server in a separate process; CoAP rows include envelope encode + decode)",
-             f"{'transport':<16}{'tensor':>10}{'reps':>6}{'median ms':>12}{'p90 ms':>10}{'MB/s':>10}"]
-    lines += [_transfer_line(row) for row in rows if row["section"] == "transport"]
+             *table(_transfer_columns("transport"), [row for row in rows if row["section"] == "transport"])]
     strategy = [row for row in rows if row["section"] == "strategy"]
     if strategy:
         lines += ["", "Large messages over coap+tcp (same encoded bytes)",
-                  f"{'strategy':<16}{'tensor':>10}{'reps':>6}{'median ms':>12}{'p90 ms':>10}{'MB/s':>10}"]
-        lines += [_transfer_line(row) for row in strategy]
+                  *table(_transfer_columns("strategy"), strategy)]
     codecs = [row for row in rows if row["section"] == "codec"]
     if codecs:
         lines += ["", "Codecs (4 MiB float32; top-k on a gradient, the rest on ReLU activations)",
-                  f"{'codec':<14}{'spec':<16}{'ratio':>8}{'rel RMS':>11}{'max abs':>10}{'enc+dec ms':>12}"]
-        for row in codecs:
-            lines.append(f"{row['codec']:<14}{row.get('spec', '-'):<16}{row['ratio']:>8.2f}{row['rel_rms']:>11.5f}"
-                         f"{row['max_abs']:>10.4f}{row['ms']:>12.2f}")
-    lines += ["", "Targets"]
-    for key, op, bound, text in TARGETS:
-        value = figures.get(key)
-        if value is None:
-            lines.append(f"  {text}: not measured")
-            continue
-        ok = value >= bound if op == ">=" else value <= bound
-        lines.append(f"  {'PASS' if ok else 'FAIL'}  {text}: {value:.4g} (target {op} {bound:g})")
+                  *table(CODEC_COLUMNS, codecs)]
+    lines += ["", *target_lines(TARGETS, figures)]
     if "raw_tls_vs_raw_tcp_4MiB" in figures:
         lines.append(f"  (TLS on a bare asyncio stream / the bare stream, 4 MiB: "
                      f"{figures['raw_tls_vs_raw_tcp_4MiB']:.4g}, the ceiling TLS itself sets here)")
     return "\n".join(lines)
-
-
-def _transfer_line(row: dict[str, Any]) -> str:
-    return (f"{row['transport']:<16}{_size(row['bytes']):>10}{row['reps']:>6}"
-            f"{row['rtt_ms_median']:>12.3f}{row['rtt_ms_p90']:>10.3f}{row['mb_per_s']:>10.1f}")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
-
-
-def parse_size(text: str) -> int:
-    """'4K', '4KiB', '16M', '1048576' -> bytes."""
-    value = text.strip().upper().removesuffix("IB").removesuffix("B")
-    factor = {"K": KiB, "M": MiB}.get(value[-1:], 1)
-    digits = value[:-1] if factor != 1 else value
-    if not digits.isdigit() or int(digits) <= 0:
-        raise ValueError(f"size {text!r} must look like 4K, 16M or a byte count")
-    return int(digits) * factor
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry of tools/bench_transport.py."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help='print one JSON object {"rows": [...], "ratios": {...}}')
-    parser.add_argument("--sizes", default=",".join(_size(s).replace(" ", "") for s in SIZES),
-                        help="comma-separated tensor sizes (default 4KiB..16MiB)")
-    parser.add_argument("--udp-max", default="16MiB", help="largest size also sent over CoAP/UDP (slow)")
-    parser.add_argument("--repeat", type=float, default=1.0, help="scale the number of repetitions")
-    parser.add_argument("--no-strategies", action="store_true", help="skip the large-message strategy comparison")
-    parser.add_argument("--no-codecs", action="store_true", help="skip the codec measurements")
-    args = parser.parse_args(argv)
-    config = BenchConfig(sizes=tuple(parse_size(s) for s in args.sizes.split(",")),
-                         udp_max_bytes=parse_size(args.udp_max), repeat=args.repeat,
-                         strategies=not args.no_strategies, codecs=not args.no_codecs)
-    result = run(config)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0

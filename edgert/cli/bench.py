@@ -1,75 +1,118 @@
-"""``edgert bench ...``: benchmarks, one subcommand per subsystem (``transport``, ``recovery``).
+"""``edgert bench <name>``: the benchmarks (edgert/bench/), the one command line of each.
 
-Add a benchmark with ``@bench.command("name")`` in this module; keep the command a
-thin wrapper over a library function that returns ``{"rows": [...], "ratios": {...}}``.
+A benchmark's options are its ``BenchConfig`` fields (declared with
+:func:`edgert.bench.harness.option`: default and help written once); ``--json`` prints
+its result, ``{"rows": [...], "ratios": {...}, ...}``, and progress goes to stderr. The
+benchmark module is imported only when its command runs (or shows its help), so
+``edgert --help`` and the board never import ``edgert.bench``. Add a benchmark to
+:data:`BENCHMARKS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import click
 
 from edgert.cli import main
 
+# name: (needs the host extra, what it measures: the command's help and its line in `edgert bench --help`)
+BENCHMARKS = {
+    "transport": (False, "Raw TCP vs coap+tcp vs coap (UDP), large-message strategies and codecs."),
+    "recovery": (True, "A SIGKILL mid-step on 4 local workers: recovery vs restart, replication's cost, accuracy."),
+    "pipeline": (True, "edgert's overhead over bare ORT, and 1F1B's efficiency on 4 emulated devices."),
+    "hetero": (True, "Planned cuts vs equal cuts vs the ideal on 1/2/5/10x devices, and live re-planning."),
+    "portable": (True, "Portable stage graphs vs the training build's, stage by stage."),
+}
 
-@main.group()
+
+class _Benchmarks(click.Group):
+    """The ``bench`` group: a command per entry of :data:`BENCHMARKS`, built from its module when asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(BENCHMARKS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in BENCHMARKS:
+            return None
+        needs_host, text = BENCHMARKS[name]
+        if needs_host:
+            from edgert.cli.host import require_host_extra
+
+            require_host_extra(f"bench {name}")
+        return _command(name, importlib.import_module(f"edgert.bench.{name}"), text)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):  # without importing every benchmark
+            formatter.write_dl([(name, text) for name, (_, text) in BENCHMARKS.items()])
+
+
+@main.group(cls=_Benchmarks)
 def bench() -> None:
     """Measure edgert's subsystems (loopback, this machine)."""
 
 
-@bench.command("transport")
-@click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"rows": [...], "ratios": {...}}.')
-@click.option("--sizes", default="4KiB,64KiB,1MiB,4MiB,16MiB", show_default=True,
-              help="Comma-separated tensor sizes.")
-@click.option("--udp-max", default="16MiB", show_default=True, help="Largest size also sent over CoAP/UDP (slow).")
-@click.option("--repeat", type=float, default=1.0, show_default=True, help="Scale the number of repetitions.")
-@click.option("--strategies/--no-strategies", default=True, help="Compare large-message strategies.")
-@click.option("--codecs/--no-codecs", default=True, help="Measure the compression codecs.")
-def transport(as_json: bool, sizes: str, udp_max: str, repeat: float, strategies: bool, codecs: bool) -> None:
-    """Raw TCP vs coap+tcp vs coap (UDP), large-message strategies and codecs."""
-    from edgert.bench import transport as transport_bench
+def _command(name: str, module: ModuleType, text: str) -> click.Command:
+    """``edgert bench <name>``: the options of ``module.BenchConfig``, ``module.run``, ``module.format_table``."""
+    config_type = module.BenchConfig
+    fields = {f.name: f for f in dataclasses.fields(config_type)}
 
-    try:
-        config = transport_bench.BenchConfig(
-            sizes=tuple(transport_bench.parse_size(s) for s in sizes.split(",")),
-            udp_max_bytes=transport_bench.parse_size(udp_max), repeat=repeat,
-            strategies=strategies, codecs=codecs)
-    except ValueError as error:
-        raise click.BadParameter(str(error)) from None
-    if repeat <= 0:
-        raise click.BadParameter(f"--repeat must be > 0, got {repeat}")
-    result = transport_bench.run(config)
-    click.echo(json.dumps(result) if as_json else transport_bench.format_table(result))
+    def callback(as_json: bool, **values: Any) -> None:
+        if "progress" in fields:
+            from edgert.bench.harness import to_stderr
+
+            values["progress"] = to_stderr
+        config = config_type(**values)
+        result = module.run(config)
+        click.echo(json.dumps(result) if as_json else module.format_table(result))
+
+    params: list[click.Parameter] = [click.Option(
+        ["--json", "as_json"], is_flag=True, help='Print one JSON object {"rows": [...], "ratios": {...}, ...}.')]
+    params += [_option(f) for f in fields.values() if _spec(f) is not None]
+    return click.Command(name, callback=callback, params=params, help=text)
 
 
-@bench.command("recovery")
-@click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"rows": [...], "ratios": {...}}.')
-@click.option("--model", default="cnn", show_default=True, help="Zoo model (the demo's).")
-@click.option("--steps", type=int, default=100, show_default=True, help="Steps of every run.")
-@click.option("--kill-at", type=int, default=50, show_default=True,
-              help="Kill once this step has completed, while the victim computes.")
-@click.option("--victim", type=int, default=2, show_default=True, help="Stage whose worker is killed.")
-@click.option("--replicate-every", type=int, default=20, show_default=True, help="K: steps between replicas.")
-@click.option("--central-every", type=int, default=100, show_default=True,
-              help="Steps between copies to the coordinator.")
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--micro-batches", type=int, default=4, show_default=True)
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
-@click.option("--lr", type=float, default=3e-3, show_default=True, help="Learning rate of the exported plan.")
-@click.option("--threads", type=int, default=1, show_default=True, help="ORT intra-op threads per worker session.")
-@click.option("--repeats", type=int, default=6, show_default=True,
-              help="Pairs of throughput runs (with / without replication, alternating).")
-@click.option("--warmup", type=int, default=10, show_default=True, help="Steps left out of each throughput figure.")
-@click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write the plan, runs and logs here (default: a temporary folder).")
-def recovery(as_json: bool, **options) -> None:
-    """A SIGKILL mid-step on 4 local workers: recovery vs restart, replication's cost, accuracy."""
-    from edgert.cli.host import require_host_extra
+def _spec(field: dataclasses.Field):
+    from edgert.bench.harness import OPTION
 
-    require_host_extra("bench recovery")
-    from edgert.bench import recovery as recovery_bench
+    return field.metadata.get(OPTION)
 
-    result = recovery_bench.run(recovery_bench.config_from(options))
-    click.echo(json.dumps(result) if as_json else recovery_bench.format_table(result))
+
+def _option(field: dataclasses.Field) -> click.Option:
+    """The click option of a config field: its flag, type, default and help, all from the field."""
+    spec = _spec(field)
+    flag = spec.flag or "--" + field.name.replace("_", "-")
+    if isinstance(field.default, bool):
+        return click.Option([f"{flag}/--no-{flag[2:]}", field.name], default=field.default, help=spec.help)
+    if spec.choices:
+        kind: Any = click.Choice(spec.choices)
+    elif spec.parse:
+        kind = _Parsed(spec.parse, flag)
+    elif spec.type is Path:
+        kind = click.Path(path_type=Path)
+    else:
+        kind = spec.type or type(field.default)
+    default = spec.show(field.default) if spec.show else field.default  # as one would type it
+    return click.Option([flag, field.name], type=kind, default=default, show_default=default is not None,
+                        help=spec.help)
+
+
+class _Parsed(click.ParamType):
+    """A value read by the benchmark's own parser (a size list, a size), its ValueError a usage error."""
+
+    def __init__(self, parse, flag: str):
+        self.parse = parse
+        self.name = flag[2:].upper()
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):  # already converted (click may convert a value twice)
+            return value
+        try:
+            return self.parse(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)

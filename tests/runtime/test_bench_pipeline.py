@@ -1,23 +1,13 @@
-"""The pipeline benchmark: its figures from step records, and one short real run of the tool."""
+"""The pipeline benchmark: its figures from step records, and one short real run of ``edgert bench pipeline``."""
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from edgert.bench.pipeline import pipeline_figures
 from edgert.schedule import simulate
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("bench_pipeline", REPO / "tools" / "bench_pipeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _step(step_ms: float, forward: float, backward: float, optimizer: float) -> dict:
@@ -28,7 +18,7 @@ def _step(step_ms: float, forward: float, backward: float, optimizer: float) -> 
 def test_pipeline_figures_from_step_records():
     # 4 equal stages, 8 micro-batches of 1 ms forward and 2 ms backward, a 0.5 ms optimizer step.
     records = [_step(999.0, 5, 5, 5)] + [_step(ms, 1.0, 2.0, 0.5) for ms in (60.0, 70.0, 80.0)]
-    figures = _tool().pipeline_figures(records, stages=4, microbatches=8, skip=1)  # the first is warm-up
+    figures = pipeline_figures(records, stages=4, microbatches=8, skip=1)  # the first is warm-up
     assert figures["ideal_ms"] == pytest.approx((8 * 3.0 + 0.5) * 4 / 4)
     assert figures["simulated_ms"] == pytest.approx(simulate("1f1b", [1.0] * 4, [2.0] * 4, 8) + 0.5)
     assert figures["measured_ms"] == 70.0
@@ -36,8 +26,8 @@ def test_pipeline_figures_from_step_records():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_tool_prints_rows_and_ratios(tmp_path):
-    command = [sys.executable, str(REPO / "tools" / "bench_pipeline.py"), "--json", "--steps", "5", "--repeat", "1",
+def test_the_benchmark_prints_rows_and_ratios(tmp_path):
+    command = [sys.executable, "-m", "edgert", "bench", "pipeline", "--json", "--steps", "5", "--repeat", "1",
                "--pipeline-steps", "6", "--keep", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]

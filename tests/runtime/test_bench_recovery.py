@@ -1,17 +1,15 @@
-"""The recovery benchmark: the within-run overhead figure, and one short real run of the tool."""
+"""The recovery benchmark: the within-run overhead figure, and one short real run of ``edgert bench recovery``."""
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from edgert.bench.recovery import copy_step_excess, steady_rate
+from edgert.bench.recovery import copy_step_excess
+from edgert.bench.runs import steady_rate
 from edgert.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def steps(times):
@@ -30,8 +28,8 @@ def test_copy_step_excess_counts_the_time_around_the_copies():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_tool_measures_recovery_restart_and_overhead(tmp_path):
-    command = [sys.executable, str(REPO / "tools" / "bench_recovery.py"), "--json", "--steps", "30", "--kill-at", "14",
+def test_the_benchmark_measures_recovery_restart_and_overhead(tmp_path):
+    command = [sys.executable, "-m", "edgert", "bench", "recovery", "--json", "--steps", "30", "--kill-at", "14",
                "--replicate-every", "5", "--central-every", "10", "--repeats", "1", "--warmup", "5",
                "--keep", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=540)
@@ -59,3 +57,12 @@ def test_the_tool_measures_recovery_restart_and_overhead(tmp_path):
 def test_cli_has_the_recovery_benchmark():
     result = CliRunner().invoke(main, ["bench", "recovery", "--help"])
     assert result.exit_code == 0 and "--replicate-every" in result.output and "--kill-at" in result.output
+
+
+def test_the_command_line_imports_a_benchmark_only_when_it_runs():
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom edgert.cli import main\n"
+            "for args in (['--help'], ['bench', '--help'], ['worker', '--help']):\n"
+            "    assert CliRunner().invoke(main, args).exit_code == 0, args\n"
+            "print(sorted(name for name in sys.modules if name.startswith('edgert.bench')))")
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip() == "[]"

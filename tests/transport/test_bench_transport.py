@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,8 +10,6 @@ from click.testing import CliRunner
 from edgert.bench.transport import format_table, parse_size, ratios
 from edgert.cli import main
 from edgert.transport.limits import KiB, MiB
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def row(transport, size, ms, section="transport"):
@@ -63,9 +60,11 @@ def test_cli_runs_the_benchmark_and_prints_json():
         {("coap-udp", 4 * KiB), ("coap-udp+oscore", 4 * KiB)}
 
 
-def test_tool_script_and_bad_cli_input():
-    help_text = subprocess.run([sys.executable, str(REPO / "tools" / "bench_transport.py"), "--help"],
+def test_options_come_from_the_config_and_bad_input_is_refused():
+    help_text = subprocess.run([sys.executable, "-m", "edgert", "bench", "transport", "--help"],
                                capture_output=True, text=True, check=True).stdout
-    assert "--json" in help_text and "--udp-max" in help_text
+    assert "--json" in help_text and "--udp-max" in help_text and "4KiB,64KiB,1MiB,4MiB,16MiB" in help_text
     result = CliRunner().invoke(main, ["bench", "transport", "--sizes", "huge"])
     assert result.exit_code != 0 and "must look like" in result.output
+    result = CliRunner().invoke(main, ["bench", "transport", "--repeat", "0"])
+    assert result.exit_code == 2 and "--repeat must be > 0" in result.output

@@ -6,8 +6,8 @@ import cbor2
 import numpy as np
 import pytest
 
-from edgert.bench.transport import activation_tensor, gradient_tensor
-from edgert.transport import Envelope, decode_envelope, encode_envelope, get_codec, measure
+from edgert.bench.codecs import activation_tensor, gradient_tensor, measure
+from edgert.transport import Envelope, decode_envelope, encode_envelope, get_codec
 from edgert.transport.codec import TopKCodec
 from edgert.transport.envelope import decode_tensor_entry, encode_tensor_entry
 from edgert.transport.errors import MalformedMessage, TooLarge, UnsupportedCodec

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Heterogeneity benchmark: planned cuts vs equal cuts vs the ideal, and live re-planning.
+"""The heterogeneity benchmark: planned cuts vs equal cuts vs the ideal, and live re-planning.
 
 One run, on this machine, with ``edgert worker`` processes emulating devices of different
 speeds (``--slowdown``: each computation lasts F times its compute time):
@@ -25,22 +24,22 @@ speeds (``--slowdown``: each computation lasts F times its compute time):
    the change until a step runs within 80% of the new ideal (the same devices with the slow
    one at 8x, planned for from the start and measured in this run).
 
-Usage: python tools/bench_hetero.py [--json] [--rounds 3] [--steps 60] [--schedule async] [--memory-mode stash]
+Run by ``edgert bench hetero`` (edgert/cli/bench.py); ``--part`` runs one of the two.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.bench.harness import Progress, key_value_lines, option, progress_field, ratio, result
+from edgert.bench.runs import steady_rate, train_run
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.profiling import profile_devices
-from edgert.coordinator.runlog import read_metrics
 from edgert.devices import save_devices
+from edgert.errors import EdgertError
 from edgert.exporter.cuts import balanced_cuts
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.planner.replanner import Replanner
@@ -52,17 +51,27 @@ from edgert.models import build_model, save_model
 SPREAD = (1, 2, 5, 10)
 
 
-def run(plan_dir: Path, workers: list[str], out: Path, **options) -> tuple[float, list[dict]]:
-    config = TrainConfig(plan_dir=plan_dir, workers=tuple(workers), out_dir=out, listen="coap+tcp://127.0.0.1:0",
-                         progress=False, **options)
-    summary = train(config)
-    return summary.samples_per_s, [m for m in read_metrics(out) if m["type"] in ("step", "event")]
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure; the defaults are the documented run (docs/PLANNER.md)."""
 
+    model: str = option("mlp-deep", "Zoo model.")
+    batch_size: int = option(64, "Samples per step.")
+    micro_batches: int = option(4, "Micro-batches per step.")
+    steps: int = option(60, "Steps of each planned run.")
+    schedule: str = option("async", "Pipeline schedule.")
+    memory_mode: str = option("stash", "Memory mode of the stages.")
+    change_at: int = option(30, "Step at which one device slows from 1x to 8x (the slowdown part).")
+    slowdown_base: float = option(2.0, "Factor applied to every emulated slowdown.")
+    rounds: int = option(3, "Planned runs, each between two runs of the fastest device alone (median reported).")
+    keep: Path | None = option(None, "Write the plans and runs here (default: a temporary folder).", type=Path)
+    part: str = option("all", "The 1/2/5/10x comparison, the mid-run slowdown, or both.",
+                       choices=("all", "spread", "slowdown"))
+    progress: Progress = progress_field()
 
-def steady_rate(records: list[dict], skip: int) -> float:
-    """Samples per second over the steps after ``skip``: samples over the time they took."""
-    steps = [m for m in records if m["type"] == "step"][skip:]
-    return sum(m["samples"] for m in steps) / sum(m["step_ms"] / 1000 for m in steps)
+    def check(self) -> None:
+        if self.rounds < 1:
+            raise EdgertError("--rounds must be at least 1")
 
 
 def planned_cuts(model: Path, scratch: Path, devices_path: Path, names: list[str], batch: int, micro: int,
@@ -82,85 +91,64 @@ def _source_and_analysis(model: Path):
     return source, prepare_analysis(source, ExportOptions())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="mlp-deep")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--schedule", default="async")
-    parser.add_argument("--memory-mode", default="stash")
-    parser.add_argument("--change-at", type=int, default=30)
-    parser.add_argument("--slowdown-base", type=float, default=2.0)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="planned runs, each between two runs of the fastest device alone (median reported)")
-    parser.add_argument("--keep", type=Path, help="write the plans and runs here (default: a temporary folder)")
-    parser.add_argument("--part", choices=("all", "spread", "slowdown"), default="all",
-                        help="the 1/2/5/10x comparison, the mid-run slowdown, or both")
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    common = dict(batch_size=args.batch_size, micro_batches=args.micro_batches, schedule=args.schedule,
-                  memory_mode=args.memory_mode, steps=args.steps, epochs=100)
+def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
+    """The parts ``--part`` names; returns ``{"rows": [...], "ratios": {...}, ...}``."""
+    config.check()
+    common = dict(batch_size=config.batch_size, micro_batches=config.micro_batches, schedule=config.schedule,
+                  memory_mode=config.memory_mode, steps=config.steps, epochs=100)
     rows, ratios = [], {}
     with tempfile.TemporaryDirectory(prefix="edgert-hetero-") as scratch_name:
-        scratch = Path(args.keep or scratch_name)
+        scratch = Path(config.keep or scratch_name)
         scratch.mkdir(parents=True, exist_ok=True)
         model = scratch / "model.onnx"
-        save_model(build_model(args.model), model)
+        save_model(build_model(config.model), model)
         source, analysis = _source_and_analysis(model)
-        if args.part in ("all", "spread"):
-            spread = _spread(args, model, source, analysis, scratch, common)
+        if config.part in ("all", "spread"):
+            spread = _spread(config, model, source, analysis, scratch, common)
             rows.extend(spread["rows"])
             ratios.update(spread["ratios"])
-        if args.part in ("all", "slowdown"):
-            recovery = _recovery(args, model, source, analysis, scratch, common)
+        if config.part in ("all", "slowdown"):
+            recovery = _recovery(config, model, source, analysis, scratch, common)
             rows.extend(recovery["rows"])
             ratios["steps_to_recover_after_slowdown"] = recovery["steps"]
-
-    result = {"rows": rows, "ratios": ratios, "model": args.model, "schedule": args.schedule,
-              "memory_mode": args.memory_mode}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for row in rows:
-            print("  ".join(f"{k}={v}" for k, v in row.items()))
-        print("ratios: " + "  ".join(f"{k}={v}" for k, v in ratios.items()))
-    return 0
+    return result(rows, ratios, model=config.model, schedule=config.schedule, memory_mode=config.memory_mode)
 
 
-def _spread(args, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
+format_table = key_value_lines  # no table of its own: every row as key=value, then the ratios
+
+
+def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
     """Four devices at 1, 2, 5 and 10x: planned cuts against equal cuts and against the ideal."""
     rows = []
-    micro = args.batch_size // (1 if args.schedule == "async" else args.micro_batches)
+    micro = config.batch_size // (1 if config.schedule == "async" else config.micro_batches)
     names = [f"x{s}" for s in SPREAD]
-    factors = [f"{s * args.slowdown_base:g}" for s in SPREAD]
+    factors = [f"{s * config.slowdown_base:g}" for s in SPREAD]
     with LocalCluster(4, slowdowns=factors, names=names) as cluster:
-        devices = profile_devices(model, cluster.urls, micro_batch=micro, repeats=3, memory_mode=args.memory_mode)
+        devices = profile_devices(model, cluster.urls, micro_batch=micro, repeats=3, memory_mode=config.memory_mode)
         save_devices(devices, scratch / "devices.json")
         by_name = dict(zip(names, cluster.urls))
         write_plan(source, analysis, [], scratch / "whole-plan", TrainingConfig())
 
         def alone(tag: str) -> float:
             """The fastest device training the whole model by itself (measured between the rounds)."""
-            _, records = run(scratch / "whole-plan", [by_name["x1"]], scratch / f"run-alone-{tag}",
+            _, records = train_run(scratch / "whole-plan", [by_name["x1"]], scratch / f"run-alone-{tag}",
                              **{**common, "steps": 25, "memory_mode": "recompute"})
-            return steady_rate(records, skip=5)
+            return steady_rate(records, 5)
 
-        cuts, order, predicted = planned_cuts(model, scratch, scratch / "devices.json", names, args.batch_size,
-                                              args.micro_batches, args.schedule, args.memory_mode)
+        cuts, order, predicted = planned_cuts(model, scratch, scratch / "devices.json", names, config.batch_size,
+                                              config.micro_batches, config.schedule, config.memory_mode)
         write_plan(source, analysis, cuts, scratch / "planned", TrainingConfig())
         equal_cuts = balanced_cuts(analysis, 4)
         alones = [alone("0")]
         planned_rates = []
-        for k in range(args.rounds):
-            _, records = run(scratch / "planned", [by_name[n] for n in order], scratch / f"run-planned-{k}", **common)
-            planned_rates.append(steady_rate(records, skip=5))
+        for k in range(config.rounds):
+            _, records = train_run(scratch / "planned", [by_name[n] for n in order], scratch / f"run-planned-{k}",
+                                   **common)
+            planned_rates.append(steady_rate(records, 5))
             if k == 0:
                 equal_rate = _equal(source, analysis, equal_cuts, scratch, cluster.urls, common)
             alones.append(alone(str(k + 1)))
-            _progress(args, f"round {k + 1}/{args.rounds}: planned {planned_rates[-1]:.0f} samples/s, "
+            config.progress(f"round {k + 1}/{config.rounds}: planned {planned_rates[-1]:.0f} samples/s, "
                             f"x1 alone {alones[-2]:.0f} / {alones[-1]:.0f}")
     speeds = sum(1 / s for s in SPREAD)
     # each round's planned run against the fastest device alone just before and just after it
@@ -176,44 +164,39 @@ def _spread(args, model: Path, source, analysis, scratch: Path, common: dict) ->
     rows.append({"run": "x1 alone (whole model), between the rounds", "samples_per_s": [round(a, 1) for a in alones],
                  "ideal_sum_of_speeds": round(ideals[middle], 1),
                  "rounds_planned_vs_ideal": [round(r, 3) for r in ratios]})
-    return {"rows": rows, "ratios": {"planned_vs_equal": round(planned / equal_rate, 3),
+    return {"rows": rows, "ratios": {"planned_vs_equal": ratio(planned, equal_rate, 3),
                                      "planned_vs_ideal": round(ratios[middle], 3)}}
 
 
 def _equal(source, analysis, cuts: list[int], scratch: Path, urls: list[str], common: dict) -> float:
     """Samples/s of equal-work cuts in device order, the baseline the planner must beat 3x."""
     write_plan(source, analysis, cuts, scratch / "equal", TrainingConfig())
-    _, records = run(scratch / "equal", urls, scratch / "run-equal", **{**common, "steps": 15})
-    return steady_rate(records, skip=3)
+    _, records = train_run(scratch / "equal", urls, scratch / "run-equal", **{**common, "steps": 15})
+    return steady_rate(records, 3)
 
 
-def _progress(args, line: str) -> None:
-    """A line per round; on stderr under ``--json``, whose stdout is the result alone."""
-    print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
-
-
-def _recovery(args, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
+def _recovery(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
     """One device slows from 1x to 8x mid-run; re-planning must bring throughput back."""
-    base = 2 * args.slowdown_base  # three devices at the base speed: twice the headroom of the 1/2/5/10 cluster
+    base = 2 * config.slowdown_base  # three devices at the base speed: twice the headroom of the 1/2/5/10 cluster
     after = [f"{base:g}"] * 3 + [f"{8 * base:g}"]
     names = ["a", "b", "c", "d"]
-    schedules = [f"{base:g}"] * 3 + [f"0:{base:g},{args.change_at}:{8 * base:g}"]
+    schedules = [f"{base:g}"] * 3 + [f"0:{base:g},{config.change_at}:{8 * base:g}"]
     with LocalCluster(4, slowdowns=list(after), names=names) as cluster:
-        devices = profile_devices(model, cluster.urls, micro_batch=args.batch_size // (
-            1 if args.schedule == "async" else args.micro_batches), repeats=3, memory_mode=args.memory_mode)
+        devices = profile_devices(model, cluster.urls, micro_batch=config.batch_size // (
+            1 if config.schedule == "async" else config.micro_batches), repeats=3, memory_mode=config.memory_mode)
         save_devices(devices, scratch / "devices-after.json")
-        cuts, order, _ = planned_cuts(model, scratch, scratch / "devices-after.json", names, args.batch_size,
-                                      args.micro_batches, args.schedule, args.memory_mode)
+        cuts, order, _ = planned_cuts(model, scratch, scratch / "devices-after.json", names, config.batch_size,
+                                      config.micro_batches, config.schedule, config.memory_mode)
         write_plan(source, analysis, cuts, scratch / "after", TrainingConfig())
         by_name = dict(zip(names, cluster.urls))
-        _, records = run(scratch / "after", [by_name[n] for n in order], scratch / "run-after",
+        _, records = train_run(scratch / "after", [by_name[n] for n in order], scratch / "run-after",
                          **{**common, "steps": 20})
-        new_ideal = steady_rate(records, skip=5)
+        new_ideal = steady_rate(records, 5)
     with LocalCluster(4, slowdowns=schedules, names=names) as cluster:
         equal = balanced_cuts(analysis, 4)
         write_plan(source, analysis, equal, scratch / "start", TrainingConfig())
-        steps = args.change_at + 30
-        _, records = run(scratch / "start", cluster.urls, scratch / "run-change",
+        steps = config.change_at + 30
+        _, records = train_run(scratch / "start", cluster.urls, scratch / "run-change",
                          **{**common, "steps": steps, "replan": "auto", "replan_every": 5})
     steps = [m for m in records if m["type"] == "step"]
     window = 3  # a rate over a few steps: one quick step is not a recovery
@@ -221,15 +204,11 @@ def _recovery(args, model: Path, source, analysis, scratch: Path, common: dict) 
     for k in range(len(steps) - window + 1):
         span = steps[k:k + window]
         rate = sum(m["samples"] for m in span) / sum(m["step_ms"] / 1000 for m in span)
-        if span[0]["step"] > args.change_at and rate >= 0.8 * new_ideal:
-            recovered = span[-1]["step"] - args.change_at
+        if span[0]["step"] > config.change_at and rate >= 0.8 * new_ideal:
+            recovered = span[-1]["step"] - config.change_at
             break
     replans = [m for m in records if m.get("event") == "replan"]
     return {"steps": recovered if recovered is not None else -1,
             "rows": [{"run": "re-planned after a 1x -> 8x slowdown", "new_ideal_samples_per_s": round(new_ideal, 1),
                       "replans": [(m["before_step"], m["new_cuts"]) for m in replans],
                       "recovered_after_steps": recovered}]}
-
-
-if __name__ == "__main__":
-    sys.exit(main())

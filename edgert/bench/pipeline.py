@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Pipeline benchmark: edgert's overhead and its pipeline efficiency, measured in one run.
+"""The pipeline benchmark: edgert's overhead and its pipeline efficiency, measured in one run.
 
 1. ``bare_ort``: a bare ORT Training loop (Module + ORT's optimizer model) over the same
    model and batches: the baseline.
@@ -21,29 +20,44 @@ what four devices do. So the 4-stage run emulates devices ``--slowdown`` times s
 this host (each worker sleeps (F-1)x its measured compute, sleeping without a core), which
 is what the pipeline's ideal assumes: stages that run in parallel.
 
-Usage: python tools/bench_pipeline.py [--json] [--model resnet-mini] [--steps 100] [--slowdown 8] [--keep DIR]
+Run by ``edgert bench pipeline`` (edgert/cli/bench.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.bench.harness import key_value_lines, option, ratio, result
+from edgert.bench.runs import train_run
 from edgert.coordinator.localcluster import LocalCluster
-from edgert.coordinator.runlog import read_metrics
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.ort_training import training_api
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, get_model_spec, load_dataset, save_model
 from edgert.schedule import simulate
+
+STAGES, MICRO_BATCHES = 4, 8  # the pipelined run
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure; the defaults are the documented run (docs/RUNTIME.md)."""
+
+    model: str = option("resnet-mini", "Zoo model of the 1-stage runs.")
+    batch_size: int = option(64, "Samples per step.")
+    steps: int = option(100, "Steps of each 1-stage run.")
+    pipeline_steps: int = option(20, "Steps of the 4-stage run.")
+    slowdown: str = option("8", "Emulated device slowdown for the 4-stage run.")
+    pipeline_model: str = option("mlp-deep", "Zoo model of the 4-stage run.")
+    repeat: int = option(3, "Alternate bare/edgert 1-stage runs this often.")
+    keep: Path | None = option(None, "Copy the 4-stage run folder (trace.json, metrics.jsonl) here.", type=Path)
 
 
 def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int = 3) -> float:
@@ -72,11 +86,9 @@ def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, w
 
 
 def edgert_run(plan: Path, workers: list[str], out: Path, **options) -> tuple[float, list[dict]]:
-    config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, listen="coap+tcp://127.0.0.1:0",
-                         progress=False, **options)
-    summary = train(config)
-    steps = [m for m in read_metrics(out) if m["type"] == "step"]
-    return summary.samples_per_s, steps
+    """Samples/s of an edgert run and its step records."""
+    summary, records = train_run(plan, workers, out, **options)
+    return summary.samples_per_s, [m for m in records if m["type"] == "step"]
 
 
 def pipeline_figures(steps: list[dict], stages: int, microbatches: int, skip: int) -> dict[str, float]:
@@ -90,66 +102,48 @@ def pipeline_figures(steps: list[dict], stages: int, microbatches: int, skip: in
             "measured_ms": float(np.median([m["step_ms"] for m in steady]))}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet-mini")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=100, help="steps of each 1-stage run")
-    parser.add_argument("--pipeline-steps", type=int, default=20, help="steps of the 4-stage run")
-    parser.add_argument("--slowdown", default="8", help="emulated device slowdown for the 4-stage run")
-    parser.add_argument("--pipeline-model", default="mlp-deep", help="model of the 4-stage run")
-    parser.add_argument("--repeat", type=int, default=3, help="alternate bare/edgert 1-stage runs this often")
-    parser.add_argument("--keep", type=Path, help="copy the 4-stage run folder (trace.json, metrics.jsonl) here")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-
-    spec = get_model_spec(args.model)
+def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
+    """The three runs; returns ``{"rows": [...], "ratios": {...}, ...}``."""
+    spec = get_model_spec(config.model)
     data = load_dataset(spec.dataset, spec)
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgert-bench-") as scratch:
         folder = Path(scratch)
-        save_model(build_model(args.model), folder / "model.onnx")
+        save_model(build_model(config.model), folder / "model.onnx")
         training = TrainingConfig(learning_rate=1e-3)
         export_plan(folder / "model.onnx", folder / "plan1", ExportOptions(stages=1, training=training))
 
         bares, singles = [], []
         with LocalCluster(1) as one:
-            for attempt in range(args.repeat):  # alternate, so both see the same machine load
-                bares.append(bare_ort(folder / "plan1", data.x_train, data.y_train, args.batch_size, args.steps))
+            for attempt in range(config.repeat):  # alternate, so both see the same machine load
+                bares.append(bare_ort(folder / "plan1", data.x_train, data.y_train, config.batch_size, config.steps))
                 singles.append(edgert_run(folder / "plan1", one.urls, folder / f"run1-{attempt}", epochs=100,
-                                          batch_size=args.batch_size, micro_batches=1, steps=args.steps,
+                                          batch_size=config.batch_size, micro_batches=1, steps=config.steps,
                                           schedule="1f1b")[0])
         bare, single = float(np.median(bares)), float(np.median(singles))
-        rows.append({"run": "bare_ort", "model": args.model, "stages": 1, "samples_per_s": round(bare, 1)})
-        rows.append({"run": "edgert_1stage", "model": args.model, "stages": 1, "samples_per_s": round(single, 1)})
+        rows.append({"run": "bare_ort", "model": config.model, "stages": 1, "samples_per_s": round(bare, 1)})
+        rows.append({"run": "edgert_1stage", "model": config.model, "stages": 1, "samples_per_s": round(single, 1)})
 
-        save_model(build_model(args.pipeline_model), folder / "pipeline.onnx")
-        manifest = export_plan(folder / "pipeline.onnx", folder / "plan4", ExportOptions(stages=4, training=training))
-        with LocalCluster(4, slowdowns=[args.slowdown] * 4) as four:
-            pipelined, steps = edgert_run(folder / "plan4", four.urls, folder / "run4", batch_size=args.batch_size,
-                                          micro_batches=8, steps=args.pipeline_steps, schedule="1f1b")
-        figures = pipeline_figures(steps, 4, 8, skip=3)
-        if args.keep:
-            shutil.copytree(folder / "run4", args.keep, dirs_exist_ok=True)
-        rows.append({"run": "edgert_4stage_1f1b", "model": args.pipeline_model,
-                     "stages": 4, "micro_batches": 8, "slowdown": args.slowdown,
+        save_model(build_model(config.pipeline_model), folder / "pipeline.onnx")
+        manifest = export_plan(folder / "pipeline.onnx", folder / "plan4",
+                               ExportOptions(stages=STAGES, training=training))
+        with LocalCluster(STAGES, slowdowns=[config.slowdown] * STAGES) as four:
+            pipelined, steps = edgert_run(folder / "plan4", four.urls, folder / "run4", batch_size=config.batch_size,
+                                          micro_batches=MICRO_BATCHES, steps=config.pipeline_steps, schedule="1f1b")
+        figures = pipeline_figures(steps, STAGES, MICRO_BATCHES, skip=3)
+        if config.keep:
+            shutil.copytree(folder / "run4", config.keep, dirs_exist_ok=True)
+        rows.append({"run": "edgert_4stage_1f1b", "model": config.pipeline_model,
+                     "stages": STAGES, "micro_batches": MICRO_BATCHES, "slowdown": config.slowdown,
                      "blocks_per_stage": [len(s.blocks) for s in manifest.stages], "samples_per_s": round(pipelined, 1),
                      **{k: round(v, 2) for k, v in figures.items()}})
 
-    ratios = {"one_stage_vs_bare_ort": round(single / bare, 3),
-              "f1b_vs_ideal_4stages": round(figures["ideal_ms"] / figures["measured_ms"], 3),
-              "f1b_bound": round(8 / (8 + 4 - 1), 3),
-              "f1b_vs_simulated": round(figures["simulated_ms"] / figures["measured_ms"], 3),
-              "f1b_schedule_ceiling": round(figures["ideal_ms"] / figures["simulated_ms"], 3)}
-    result = {"rows": rows, "ratios": ratios, "model": args.model, "batch_size": args.batch_size}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for row in rows:
-            print("  ".join(f"{k}={v}" for k, v in row.items()))
-        print("ratios: " + "  ".join(f"{k}={v}" for k, v in ratios.items()))
-    return 0
+    ratios = {"one_stage_vs_bare_ort": ratio(single, bare, 3),
+              "f1b_vs_ideal_4stages": ratio(figures["ideal_ms"], figures["measured_ms"], 3),
+              "f1b_bound": ratio(MICRO_BATCHES, MICRO_BATCHES + STAGES - 1, 3),
+              "f1b_vs_simulated": ratio(figures["simulated_ms"], figures["measured_ms"], 3),
+              "f1b_schedule_ceiling": ratio(figures["ideal_ms"], figures["simulated_ms"], 3)}
+    return result(rows, ratios, model=config.model, batch_size=config.batch_size)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+format_table = key_value_lines  # no table of its own: every row as key=value, then the ratios

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Portable stage graphs against the training build's, stage by stage, in one run.
 
 Every zoo model is cut into ``--stages`` stages twice from the same slices: once with the
@@ -14,32 +13,62 @@ them and the worst one (targets: <= 1.15 and <= 1.5, issue 14). Both kinds run o
 host's training build, which also runs standard operators: the ratio is the cost of the
 portable form itself, not of a different onnxruntime.
 
-Usage: python tools/bench_portable.py [--json] [--stages 2] [--batch 64] [--models cnn,resnet-mini]
+Run by ``edgert bench portable`` (edgert/cli/bench.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
-import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before onnxruntime loads
 
 import numpy as np  # noqa: E402
 
+from edgert.bench.harness import (  # noqa: E402
+    Column,
+    Progress,
+    Target,
+    geomean,
+    option,
+    progress_field,
+    result,
+    table,
+    target_lines,
+)
+from edgert.errors import EdgertError  # noqa: E402
 from edgert.exporter.export import ExportOptions, choose_cuts, prepare_analysis, write_plan  # noqa: E402
 from edgert.exporter.source import from_model_proto  # noqa: E402
 from edgert.manifest import MEMORY_MODES, StageEntry, load_manifest  # noqa: E402
 from edgert.models import build_model, list_models  # noqa: E402
 from edgert.stage import StageSession, Threads  # noqa: E402
 
-GEOMEAN_TARGET, WORST_TARGET = 1.15, 1.5
 KINDS = ("portable", "training")
+TARGETS = (  # issue 14
+    Target("portable_vs_training_geomean", "<=", 1.15, "portable / training build, geometric mean over the stages"),
+    Target("portable_vs_training_worst", "<=", 1.5, "portable / training build, the worst stage"),
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure; the defaults are the documented run (docs/EXPORTER.md)."""
+
+    models: tuple[str, ...] = option(tuple(spec.name for spec in list_models()), "Zoo models, comma-separated.",
+                                     parse=lambda text: tuple(text.split(",")), show=",".join)
+    stages: int = option(2, "Stages each model is cut into.")
+    batch: int = option(64, "Samples per micro-batch.")
+    rounds: int = option(5, "Rounds of the two kinds, alternating.")
+    repeat: int = option(10, "Steps per kind and round (their median counts).")
+    progress: Progress = progress_field()
+
+    def check(self) -> None:
+        if self.rounds < 1 or self.repeat < 1 or self.stages < 1:
+            raise EdgertError("--rounds, --repeat and --stages must be at least 1")
 
 
 def export_both(name: str, stages: int, folder: Path) -> dict[str, Path]:
@@ -94,47 +123,40 @@ def measure(plans: dict[str, Path], index: int, mode: str, batch: int, rounds: i
     return {"portable_ms": portable * 1e3, "training_ms": training * 1e3, "ratio": portable / training}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(spec.name for spec in list_models()))
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--json", action="store_true", help="print one JSON object (progress on stderr)")
-    args = parser.parse_args()
-    if args.rounds < 1 or args.repeat < 1 or args.stages < 1:
-        parser.error("--rounds, --repeat and --stages must be at least 1")
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
+def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
+    """Every stage of every model, in both memory modes; returns ``{"rows": [...], "ratios": {...}, ...}``."""
+    config.check()
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgert-bench-portable-") as scratch:
-        for name in args.models.split(","):
-            plans = export_both(name, args.stages, Path(scratch))
+        for name in config.models:
+            plans = export_both(name, config.stages, Path(scratch))
             for index in range(len(load_manifest(plans["portable"]).stages)):
                 for mode in MEMORY_MODES:
-                    if mode == "stash" and index == args.stages - 1:
+                    if mode == "stash" and index == config.stages - 1:
                         continue
                     row = {"model": name, "stage": index, "mode": mode,
-                           **measure(plans, index, mode, args.batch, args.rounds, args.repeat)}
+                           **measure(plans, index, mode, config.batch, config.rounds, config.repeat)}
                     rows.append(row)
-                    say(f"{name:17s} stage {index} {mode:9s} portable {row['portable_ms']:7.2f} ms  "
-                        f"training build {row['training_ms']:7.2f} ms  ratio {row['ratio']:.3f}")
+                    config.progress(f"{name:17s} stage {index} {mode:9s} portable {row['portable_ms']:7.2f} ms  "
+                                    f"training build {row['training_ms']:7.2f} ms  ratio {row['ratio']:.3f}")
     ratios = [row["ratio"] for row in rows]
-    result = {
-        "portable_vs_training_geomean": math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
-        "portable_vs_training_worst": max(ratios),
-        "worst_stage": max(rows, key=lambda row: row["ratio"]),
-        "targets": {"geomean": GEOMEAN_TARGET, "worst": WORST_TARGET},
-        "batch": args.batch, "stages": args.stages, "threads": 1, "rows": rows,
-    }
-    if args.json:
-        print(json.dumps(result))
-        return
+    figures = {"portable_vs_training_geomean": geomean(ratios), "portable_vs_training_worst": max(ratios)}
+    return result(rows, figures, worst_stage=max(rows, key=lambda row: row["ratio"]),
+                  targets={target.figure: target.bound for target in TARGETS},
+                  batch=config.batch, stages=config.stages, threads=1)
+
+
+COLUMNS = (Column("model", 18, "model", left=True), Column("stage", 5, "stage"),
+           Column("  mode", 11, lambda row: f"  {row['mode']}", left=True),
+           Column("portable ms", 12, "portable_ms", "{:.2f}"), Column("training ms", 13, "training_ms", "{:.2f}"),
+           Column("ratio", 8, "ratio", "{:.3f}"))
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable report."""
     worst = result["worst_stage"]
-    print(f"\nportable / training build: geometric mean {result['portable_vs_training_geomean']:.3f} "
-          f"(target <= {GEOMEAN_TARGET}), worst {result['portable_vs_training_worst']:.3f} "
-          f"({worst['model']} stage {worst['stage']} {worst['mode']}; target <= {WORST_TARGET})")
-
-
-if __name__ == "__main__":
-    main()
+    return "\n".join([
+        f"Portable vs training-build stage graphs (micro-batch {result['batch']}, {result['stages']} stages, "
+        f"1 thread)", *table(COLUMNS, result["rows"]), "",
+        f"worst: {worst['model']} stage {worst['stage']} {worst['mode']}", "",
+        *target_lines(TARGETS, result["ratios"])])
