@@ -91,7 +91,7 @@ def build_stage_artifacts(
     ``gradient_outputs`` are the outputs the next stage sends gradients for (ignored on the
     last stage); ``wants_input_gradients`` are the inputs whose gradients the previous stage
     consumes. ``portable=False`` leaves the training build's operators in the backward graphs:
-    the baseline of tools/bench_portable.py, runnable only where the training build is.
+    the baseline of ``edgert bench portable``, runnable only where the training build is.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {role: out_dir / name for role, name in FILE_NAMES.items()}

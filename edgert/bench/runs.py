@@ -5,21 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.run_summary import RunSummary
+from edgert.coordinator.runlog import read_metrics
+
 LISTEN = "coap+tcp://127.0.0.1:0"  # every benchmark run's coordinator, in this process or an `edgert train` one
 
 
-def train_config(plan: Path, workers: list[str], out: Path, **options: Any):
+def train_config(plan: Path, workers: list[str], out: Path, **options: Any) -> TrainConfig:
     """The :class:`TrainConfig` of a benchmark run: on loopback, no progress line, ``options`` as given."""
-    from edgert.coordinator.coordinator import TrainConfig
-
     return TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, listen=LISTEN, progress=False, **options)
 
 
-def train_run(plan: Path, workers: list[str], out: Path, **options: Any) -> tuple[Any, list[dict[str, Any]]]:
+def train_run(plan: Path, workers: list[str], out: Path, **options: Any) -> tuple[RunSummary, list[dict[str, Any]]]:
     """Train to the end; the run's summary and its records (``metrics.jsonl``)."""
-    from edgert.coordinator.coordinator import train
-    from edgert.coordinator.runlog import read_metrics
-
     summary = train(train_config(plan, workers, out, **options))
     return summary, read_metrics(out)
 
