@@ -414,8 +414,8 @@ THROUGHPUT_COLUMNS = (
 FAILURE_COLUMNS = (
     Column("run", 50, "run", left=True),
     Column("ok", 4, lambda row: "yes" if row.get("ok", True) else "NO"),
-    Column("resumed s", 11, "recovery_s"), Column("detect s", 10, "detection_s"),
-    Column("replan s", 10, "replan_s"), Column("move s", 8, "transfer_s"),
+    Column("resumed s", 11, "recovery_s", "{:.3f}"), Column("detect s", 10, "detection_s", "{:.3f}"),
+    Column("replan s", 10, "replan_s", "{:.3f}"), Column("move s", 8, "transfer_s", "{:.3f}"),
     Column("lost", 6, "steps_lost", "{}"), Column("accuracy", 10, "test_accuracy", "{:.4f}"),
 )
 
