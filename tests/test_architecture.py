@@ -2,7 +2,7 @@
 
 Every ``import`` counts, at module level or inside a function (``if TYPE_CHECKING`` too: a
 contract that points the wrong way in its types points the wrong way); ``from package import
-name`` imports the submodule when ``name`` is one. The rules (issue 16, docs/DESIGN.md):
+name`` imports the submodule when ``name`` is one. The rules (issue 16; the map in edgert/__init__.py):
 
 1. ``edgert.transport`` and ``edgert.models`` import nothing of edgert outside themselves but
    ``edgert.errors`` (the base error).
