@@ -1,12 +1,13 @@
 """edgert: pipeline-parallel training of one ONNX model across several edge devices.
 
-Map of the package (the folder layout is the architecture; docs/DESIGN.md):
+Map of the package (the folder layout is the architecture; tests/test_architecture.py keeps its import rules):
 
 - ``edgert/`` top level: the contract the worker and the coordinator both speak; imports neither role
   - ``errors.py``         :class:`EdgertError` and the errors both sides raise: one line a user can act on
-  - ``protocol.py``       the runtime's messages and resources (docs/PROTOCOL.md), read by ``meta_fields.py``
+  - ``protocol.py``       the runtime's messages and resources (docs/PROTOCOL.md)
+  - ``meta_fields.py``    reading a message's ``meta`` fields, one strict rule per kind of field
   - ``manifest.py``       :class:`Manifest`: the on-disk plan format (docs/MANIFEST.md)
-  - ``schedule.py``       the schedule vocabulary: actions, micro-batches, windows; gpipe / 1f1b / async
+  - ``schedule.py``       the schedule vocabulary: gpipe / 1f1b / async, typed actions (``2F0``), micro-batches, windows
   - ``stage.py``          :class:`StageSession`: one stage's forward/backward/step on stock onnxruntime
   - ``chain.py``          all stages of a plan chained in one process: the reference a run must match
   - ``optimizer.py``      AdamW / SGD with optimizer state readable and writable by name
@@ -17,11 +18,11 @@ Map of the package (the folder layout is the architecture; docs/DESIGN.md):
   - ``typed_json.py``     strict JSON -> dataclass loading behind devices.json and checkpoint.json
   - ``ort_import.py``     the one way onnxruntime is imported: stock or training build, never torch
   - ``providers.py``      the execution providers a worker's sessions use (``--providers``)
-- ``edgert.worker``       ``edgert worker``: what runs on a board (never imports exporter, coordinator, onnx)
+- ``edgert.worker``       ``edgert worker``: what runs on a board (never loads exporter, coordinator, bench, onnx)
 - ``edgert.coordinator``  ``edgert train`` / ``edgert profile``: the central node
 - ``edgert.security``     the cluster's certificate authority, stage signatures and admission, graph scans
 - ``edgert.bench``        ``edgert bench``: benchmarks and the fault injection they share with the tests
-- ``edgert.cli``          the ``edgert`` command line
+- ``edgert.cli``          the ``edgert`` command line (``__main__.py``: ``python -m edgert``, the same)
 - ``edgert.exporter``     host side: analyse, slice, build artifacts, check, plan (needs ``onnx``)
 - ``edgert.transport``    the wire: CoAP resources and client, CBOR tensors, compression codecs, TLS, OSCORE
 - ``edgert.models``       the model zoo and the small offline datasets

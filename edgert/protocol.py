@@ -31,7 +31,7 @@ import numpy as np
 from edgert import meta_fields as fields
 from edgert.errors import EdgertError
 from edgert.manifest import MEMORY_MODES, StageEntry, TrainingConfig, stage_from_json, stage_to_json
-from edgert.schedule import SCHEDULES, MicroBatch, Window, split_batch
+from edgert.schedule import SCHEDULES, MicroBatch, Schedule, Window, split_batch
 from edgert.transport import BadRequest, Envelope, get_codec
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
@@ -220,15 +220,15 @@ class Segment:
 
     def windows(self) -> list[Window]:
         """The windows the stage executes for this segment, in order."""
-        if self.schedule == "async":
+        if self.schedule == Schedule.ASYNC:
             batches = tuple(MicroBatch(self.first_step + k, 0, self.batch_size, 1.0) for k in range(self.steps))
-            return [Window("async", self.stages, batches)]
+            return [Window(self.schedule, self.stages, batches)]
         return [Window(self.schedule, self.stages, tuple(split_batch(step, self.batch_size, self.micro_batches)))
                 for step in range(self.first_step, self.first_step + self.steps)]
 
     def microbatches(self, step: int) -> list[MicroBatch]:
         """The micro-batches of one step (how a /batch message is split)."""
-        if self.schedule == "async":
+        if self.schedule == Schedule.ASYNC:
             return [MicroBatch(step, 0, self.batch_size, 1.0)]
         return split_batch(step, self.batch_size, self.micro_batches)
 

@@ -11,61 +11,114 @@
   every backward and no flush, so stage ``s`` has at most ``stages - s`` micro-batches in
   flight and a micro-batch's backward sees weights at most that many steps old.
 
-Actions print compactly as in torch's pipelining (``F0``, ``B3``, ``S``) for logs and tests.
+Actions print compactly as in torch's pipelining (``F0``, ``B3``, ``S``; ``2F0`` on stage 2)
+for logs and tests, and parse back (:meth:`Action.parse`).
 :func:`steps_ahead` bounds how far ahead the coordinator feeds a pipeline.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
+from enum import Enum
 
 import numpy as np
 
 from edgert.errors import EdgertError
 
-SCHEDULES = ("gpipe", "1f1b", "async")
-SYNCHRONOUS = ("gpipe", "1f1b")
 Key = tuple[int, int]  # (step, micro-batch index within the step)
+
+
+class Schedule(str, Enum):
+    """A pipeline schedule. Its value is its name on the command line, on the wire and in run.json."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    ASYNC = "async"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def named(cls, name: str) -> Schedule:
+        """The schedule called ``name``; raises with the names there are."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise EdgertError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}") from None
+
+
+SCHEDULES = tuple(s.value for s in Schedule)  # the names, for click.Choice and the protocol's check
+
+
+class Computation(str, Enum):
+    """What an action computes; the value is the letter the action prints with."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    STEP = "S"
+
+
+_ACTION = re.compile(rf"(\d*)([{''.join(c.value for c in Computation)}])(\d*)")  # stage, kind, micro-batch
 
 
 @dataclass(frozen=True)
 class Action:
-    """One thing a stage does: forward or backward of a micro-batch, or an optimizer step."""
+    """One thing a stage does: forward or backward of a micro-batch, or an optimizer step.
 
-    kind: str  # "F", "B" or "S"
-    microbatch: int = -1
+    ``stage`` is None in a stage's own action list; set, it prints first (``2F0``).
+    """
+
+    kind: Computation
+    microbatch: int | None = None  # None for a step
+    stage: int | None = None
 
     def __str__(self) -> str:
-        return self.kind if self.kind == "S" else f"{self.kind}{self.microbatch}"
+        stage = "" if self.stage is None else str(self.stage)
+        return f"{stage}{self.kind.value}{'' if self.microbatch is None else self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """The action ``text`` prints: ``F0``, ``B3``, ``S``, or any of them after a stage (``2F0``)."""
+        match = _ACTION.fullmatch(text)
+        if match is None or (match[2] == Computation.STEP.value) != (match[3] == ""):
+            raise EdgertError(f"action {text!r}: expected F<micro-batch>, B<micro-batch> or S, "
+                              f"optionally after a stage (2F0)")
+        stage, kind, microbatch = match.groups()
+        return cls(Computation(kind), int(microbatch) if microbatch else None, int(stage) if stage else None)
+
+    def on(self, stage: int) -> Action:
+        """This action as stage ``stage`` runs it."""
+        return replace(self, stage=stage)
 
 
 def forward(m: int) -> Action:
-    return Action("F", m)
+    return Action(Computation.FORWARD, m)
 
 
 def backward(m: int) -> Action:
-    return Action("B", m)
+    return Action(Computation.BACKWARD, m)
 
 
-STEP = Action("S")
+STEP = Action(Computation.STEP)
 
 
 def stage_actions(kind: str, stage: int, stages: int, microbatches: int) -> list[Action]:
     """The ordered actions of ``stage`` (0-based) for ``microbatches`` micro-batches."""
-    _check(kind, stage, stages, microbatches)
-    if kind == "gpipe":
+    schedule = _check(kind, stage, stages, microbatches)
+    if schedule is Schedule.GPIPE:
         return [forward(m) for m in range(microbatches)] + [backward(m) for m in range(microbatches)] + [STEP]
-    if kind == "async" or stage == stages - 1:
+    if schedule is Schedule.ASYNC or stage == stages - 1:
         warmup = min(stages - stage - 1, microbatches)
     else:
         warmup = min(stages - stage, microbatches)
-    after_backward = [STEP] if kind == "async" else []
+    after_backward = [STEP] if schedule is Schedule.ASYNC else []
     actions = [forward(m) for m in range(warmup)]
     for m in range(microbatches - warmup):
         actions += [forward(warmup + m), backward(m), *after_backward]
     for m in range(microbatches - warmup, microbatches):
         actions += [backward(m), *after_backward]
-    return actions if kind == "async" else actions + [STEP]
+    return actions if schedule is Schedule.ASYNC else actions + [STEP]
 
 
 def steps_ahead(kind: str, stages: int, microbatches: int, lookahead: int, capacity: int) -> int:
@@ -77,13 +130,13 @@ def steps_ahead(kind: str, stages: int, microbatches: int, lookahead: int, capac
     a single stage), beside what the neighbouring stage sends meanwhile (one step's
     micro-batches; under ``async``, one per stage). At least 1.
     """
-    _check(kind, 0, stages, microbatches)
-    per_step = 1 if kind == "async" else microbatches
-    wanted = lookahead + (stages if kind == "async" else 0)
+    asynchronous = _check(kind, 0, stages, microbatches) is Schedule.ASYNC
+    per_step = 1 if asynchronous else microbatches
+    wanted = lookahead + (stages if asynchronous else 0)
     if stages == 1:
         fits = capacity // (2 * per_step)
     else:
-        fits = (capacity - (stages if kind == "async" else per_step)) // per_step
+        fits = (capacity - (stages if asynchronous else per_step)) // per_step
     return max(1, min(wanted, fits))
 
 
@@ -96,7 +149,7 @@ def max_in_flight(actions: list[Action]) -> int:
     """The most micro-batches a stage holds (forwarded, not yet backwarded) at once."""
     held = peak = 0
     for action in actions:
-        held += {"F": 1, "B": -1}.get(action.kind, 0)
+        held += {Computation.FORWARD: 1, Computation.BACKWARD: -1}.get(action.kind, 0)
         peak = max(peak, held)
     return peak
 
@@ -112,7 +165,7 @@ def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], micro
     stages = len(forward_ms)
     links = link_ms or [0.0] * (stages - 1)
     plans = [stage_actions(kind, s, stages, microbatches) for s in range(stages)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> finish time
+    done: dict[Action, float] = {}  # action on its stage -> finish time
     clock = [0.0] * stages
     cursor = [0] * stages
     progressed = True
@@ -124,9 +177,10 @@ def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], micro
                 ready = _ready_time(action, s, stages, done, links)
                 if ready is None:
                     break
-                cost = {"F": 0.0 if s == stages - 1 else forward_ms[s], "B": backward_ms[s], "S": 0.0}[action.kind]
+                cost = {Computation.FORWARD: 0.0 if s == stages - 1 else forward_ms[s],
+                        Computation.BACKWARD: backward_ms[s], Computation.STEP: 0.0}[action.kind]
                 clock[s] = max(clock[s], ready) + cost
-                done[(action.kind, s, action.microbatch)] = clock[s]
+                done[action.on(s)] = clock[s]
                 cursor[s] += 1
                 progressed = True
     if any(cursor[s] < len(plans[s]) for s in range(stages)):
@@ -135,30 +189,30 @@ def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], micro
     return max(clock)
 
 
-def _ready_time(action: Action, s: int, stages: int, done: dict, links: list[float]) -> float | None:
-    if action.kind == "F":
+def _ready_time(action: Action, s: int, stages: int, done: dict[Action, float], links: list[float]) -> float | None:
+    if action.kind is Computation.FORWARD:
         if s == 0:
             return 0.0
-        upstream = done.get(("F", s - 1, action.microbatch))
+        upstream = done.get(action.on(s - 1))
         return None if upstream is None else upstream + links[s - 1]
-    if action.kind == "B":
-        own_forward = done.get(("F", s, action.microbatch))
+    if action.kind is Computation.BACKWARD:
+        own_forward = done.get(forward(action.microbatch).on(s))
         if own_forward is None:
             return None
         if s == stages - 1:
             return own_forward
-        downstream = done.get(("B", s + 1, action.microbatch))
+        downstream = done.get(action.on(s + 1))
         return None if downstream is None else max(own_forward, downstream + links[s])
     return 0.0
 
 
-def _check(kind: str, stage: int, stages: int, microbatches: int) -> None:
-    if kind not in SCHEDULES:
-        raise EdgertError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+def _check(kind: str, stage: int, stages: int, microbatches: int) -> Schedule:
+    schedule = Schedule.named(kind)
     if stages < 1 or not 0 <= stage < stages:
         raise EdgertError(f"stage {stage} is not in 0..{stages - 1}")
     if microbatches < 1:
         raise EdgertError(f"micro-batches must be at least 1 (got {microbatches})")
+    return schedule
 
 
 @dataclass(frozen=True)
@@ -190,8 +244,6 @@ class Window:
     @property
     def steps(self) -> list[int]:
         return sorted({m.step for m in self.microbatches})
-
-
 
 
 def split_batch(step: int, batch_size: int, microbatches: int) -> list[MicroBatch]:

@@ -1,23 +1,25 @@
 """The ``edgert`` command line: thin click commands over library functions.
 
-Each module here registers one family of commands on :data:`main`:
+Map: each command module registers one family of commands on :data:`main`.
 
-- ``zoo.py``       ``edgert zoo list|build``          (host)
+- ``runtime.py``   ``edgert worker|train|profile``: the runtime (``worker`` needs no host extra)
+- ``doctor.py``    ``edgert doctor``: is this board ready to be a worker
+- ``keys.py``      ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); the security options
 - ``export.py``    ``edgert export|inspect|check|merge|plan`` (host)
-- ``bench.py``     ``edgert bench ...``               (host)
-- ``runtime.py``   ``edgert worker|train|profile``     (the runtime; no host extra needed for worker)
-- ``demo.py``      ``edgert demo``                    (host)
-- ``keys.py``      ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); security options
-- ``doctor.py``    ``edgert doctor``                   (board: is this device ready to be a worker)
-- ``params.py``    option types that check URLs and codec specs with the library's parsers
-- ``host.py``, ``table.py`` the host-extra check, and the tables and sizes commands print
+- ``zoo.py``       ``edgert zoo list|build`` (host)
+- ``demo.py``      ``edgert demo`` (host)
+- ``bench.py``     ``edgert bench ...`` (host)
+- ``params.py``    option types that check URLs and codec specs with the library's own parsers
+- ``host.py``      the check host-only commands run first: is the ``host`` extra installed
+- ``table.py``     the plain-text tables and sizes the commands print
 
 Every error a user can fix ends the command with one ``error:`` line on stderr and a
 non-zero exit code (2: edgert's errors and bad options, 1: the operating system refused);
 anything else is a bug and shows its traceback.
 
 Host commands import ``edgert.exporter`` / ``edgert.models`` inside the command body, so a
-board without the ``host`` extra can still run the runtime commands.
+board without the ``host`` extra can still run the runtime commands (tests/test_architecture.py
+checks what ``edgert worker`` loads).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import click
 
 from edgert.cli import main
 from edgert.cli.host import require_host_extra
+from edgert.schedule import SCHEDULES
 
 
 def _say(text: str) -> None:
@@ -21,7 +22,7 @@ def _say(text: str) -> None:
 @click.option("--epochs", type=int, default=8, show_default=True)
 @click.option("--batch-size", type=int, default=64, show_default=True)
 @click.option("--micro-batches", type=int, default=4, show_default=True)
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=3e-3, show_default=True)
 @click.option("--slowdowns", default=None, help="Emulated slowdown per worker, e.g. 1,2,5,10.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,

@@ -11,6 +11,7 @@ from edgert.cli import main
 from edgert.cli.host import require_host_extra
 from edgert.cli.table import format_table, human_bytes, human_count
 from edgert.manifest import TrainingConfig
+from edgert.schedule import SCHEDULES
 
 
 def _progress(message: str) -> None:
@@ -182,7 +183,7 @@ def _analysis_json(analysis) -> dict:
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--batch-size", type=int, default=64, show_default=True)
 @click.option("--micro-batches", type=int, default=4, show_default=True)
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True)
 @click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=1e-3, show_default=True)
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)

@@ -16,6 +16,7 @@ from edgert.cli import main
 from edgert.cli.keys import INSECURE_WARNING, default_listen, host_keys, worker_credentials
 from edgert.cli.params import CoapUrl, CoapUrlList, CodecSpec
 from edgert.errors import EdgertError
+from edgert.schedule import SCHEDULES
 from edgert.transport.coap_tcp import DEFAULT_PORT
 
 
@@ -111,7 +112,7 @@ async def _serve(worker) -> None:
 @click.option("--steps", type=int, default=None, help="Stop after this many optimizer steps.")
 @click.option("--batch-size", type=int, default=64, show_default=True)
 @click.option("--micro-batches", type=int, default=4, show_default=True)
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "async"]), default="1f1b", show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=None, help="Override the plan's learning rate.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--codec", type=CodecSpec(), default="none", show_default=True,

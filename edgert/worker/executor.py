@@ -20,14 +20,13 @@ from collections.abc import Callable, Hashable
 import numpy as np
 
 from edgert.protocol import StepReport
-from edgert.schedule import Key, MicroBatch, Window, stage_actions
+from edgert.schedule import Computation, Key, MicroBatch, Schedule, Window, stage_actions
 from edgert.stage import StageSession
 from edgert.worker.gate import StepGate
 from edgert.worker.inbox import Inbox, InboxSkipped
 from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.worker.stage_timer import warm_up
 
-ACTIVITY = {"F": "forward", "B": "backward", "S": "step"}
 Sender = Callable[[Key, dict[str, np.ndarray]], None]
 StepCallback = Callable[[StepReport], None]
 
@@ -75,18 +74,18 @@ class StageExecutor:
         last_backward: MicroBatch | None = None
         done = []
         for action in actions:
-            if action.kind == "S":
-                step = last_backward.step if window.schedule == "async" and last_backward else window.steps[-1]
+            if action.kind is Computation.STEP:
+                step = last_backward.step if window.schedule == Schedule.ASYNC and last_backward else window.steps[-1]
             else:
                 step = batches[action.microbatch].step
-            self.gate.enter(step, commits=action.kind != "F")
+            self.gate.enter(step, commits=action.kind is not Computation.FORWARD)
             if self._truncated(step):
                 continue  # the segment was cut short before this step
-            self.activity = f"{ACTIVITY[action.kind]} {step}"
+            self.activity = f"{action.kind.name.lower()} {step}"  # "forward 12"
             try:
-                if action.kind == "F":
+                if action.kind is Computation.FORWARD:
                     self._forward(batches[action.microbatch], reports[step], window)
-                elif action.kind == "B":
+                elif action.kind is Computation.BACKWARD:
                     last_backward = batches[action.microbatch]
                     self._backward(last_backward, reports[step], window)
                 else:
@@ -115,13 +114,14 @@ class StageExecutor:
         inputs = self._take("act", batch, report)
         kept: dict[str, np.ndarray] | None = {} if self.session.stashing else None
         self._held[batch.key] = (inputs, kept)
-        if window.schedule == "async" and not self.is_last:
+        if window.schedule == Schedule.ASYNC and not self.is_last:
             self._stash_weights(batch.key)
         if self.is_last:
             return  # folded into the backward, which recomputes the forward anyway
         started = self._clock()
         outputs = self.session.forward(inputs, kept)
-        self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step, ("F", batch.size))
+        self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step,
+                       (Computation.FORWARD, batch.size))
         self._send(self._send_forward, batch.key, outputs, report)
 
     def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
@@ -132,13 +132,13 @@ class StageExecutor:
         else:
             labels = None
             gradients = self._take("grad", batch, report)
-        stashed = self._stashed_version(batch.key) if window.schedule == "async" and not self.is_last else None
+        stashed = self._stashed_version(batch.key) if window.schedule == Schedule.ASYNC and not self.is_last else None
         started = self._clock()
         with self.session.stashed_weights(stashed) if stashed is not None else contextlib.nullcontext():
             result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
                                            loss_scale=batch.loss_scale, saved=kept)
         self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step,
-                       ("B", batch.size))
+                       (Computation.BACKWARD, batch.size))
         if self.is_last:
             self._score(report, batch, result.loss, result.prediction, labels)
         if not self.is_first and result.input_gradients:
@@ -148,7 +148,7 @@ class StageExecutor:
         started = self._clock()
         self.session.step()
         self._version += 1
-        self._computed(report, "optimizer_ms", f"S{report.step}", started, report.step, "S")
+        self._computed(report, "optimizer_ms", f"S{report.step}", started, report.step, Computation.STEP)
         report.finished = time.time()
 
     # -- weight stashing (async) -------------------------------------------------------------

@@ -77,7 +77,7 @@ class SlowdownEmulator:
     def emulate(self, step: int, call: Hashable, wall_seconds: float, cpu_seconds: float | None = None) -> float:
         """Sleep until the computation has lasted F x the warm time of ``call``; returns the seconds slept.
 
-        ``call`` names what was computed (same work, same key: e.g. ``("F", rows)``);
+        ``call`` names what was computed (same work, same key: e.g. ``(Computation.FORWARD, rows)``);
         ``cpu_seconds`` is the compute time when known (single-threaded sessions), else the
         wall time stands for it.
         """

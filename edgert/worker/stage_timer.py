@@ -19,6 +19,7 @@ import numpy as np
 from edgert.devices import BlockTiming
 from edgert.manifest import BoundaryTensor
 from edgert.optimizer import make_optimizer
+from edgert.schedule import Computation
 from edgert.stage import StageSession
 from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
 
@@ -94,13 +95,13 @@ def _one_pass(session: StageSession, feeds: Feeds, rows: int, emulator: Slowdown
     keep: dict | None = {} if session.stashing else None
     start = _clock()
     session.forward(inputs, keep)
-    forward_ms = _elapsed_ms(start, emulator, ("F", rows), session.single_threaded, emulate)
+    forward_ms = _elapsed_ms(start, emulator, (Computation.FORWARD, rows), session.single_threaded, emulate)
     start = _clock()
     session.backward(inputs, output_gradients=gradients or None, labels=labels or None, saved=keep)
-    backward_ms = _elapsed_ms(start, emulator, ("B", rows), session.single_threaded, emulate)
+    backward_ms = _elapsed_ms(start, emulator, (Computation.BACKWARD, rows), session.single_threaded, emulate)
     start = _clock()
     session.step()
-    optimizer_ms = _elapsed_ms(start, emulator, "S", True, emulate)
+    optimizer_ms = _elapsed_ms(start, emulator, Computation.STEP, True, emulate)
     return forward_ms, backward_ms, optimizer_ms
 
 

@@ -3,7 +3,18 @@
 import pytest
 
 from edgert.errors import EdgertError
-from edgert.schedule import max_in_flight, schedule_table, simulate, stage_actions, steps_ahead
+from edgert.schedule import (
+    SCHEDULES,
+    STEP,
+    Action,
+    Computation,
+    Schedule,
+    max_in_flight,
+    schedule_table,
+    simulate,
+    stage_actions,
+    steps_ahead,
+)
 
 
 def test_gpipe_table():
@@ -93,3 +104,33 @@ def test_the_coordinator_feeds_no_more_steps_than_the_inboxes_hold():
     }
     assert steps_ahead("async", 4, 64, lookahead=8, capacity=256) == 12  # one micro-batch a step, never drained
     assert steps_ahead("1f1b", 1, 64, lookahead=8, capacity=64) == 1  # at least one step, whatever the inbox
+
+
+def test_schedules_keep_their_names_on_the_wire():
+    assert SCHEDULES == ("gpipe", "1f1b", "async")
+    assert [Schedule.named(name) for name in SCHEDULES] == [Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ASYNC]
+    assert Schedule.ONE_F_ONE_B == "1f1b" and f"{Schedule.ASYNC}" == "async" and str(Schedule.GPIPE) == "gpipe"
+    with pytest.raises(EdgertError, match="unknown schedule 'pipedream'; choose one of gpipe, 1f1b, async"):
+        Schedule.named("pipedream")
+
+
+def test_actions_print_as_torch_pipelining_writes_them_and_parse_back():
+    table = {
+        "F0": Action(Computation.FORWARD, 0),
+        "B13": Action(Computation.BACKWARD, 13),
+        "S": STEP,
+        "2F0": Action(Computation.FORWARD, 0, stage=2),
+        "10B3": Action(Computation.BACKWARD, 3, stage=10),
+        "1S": STEP.on(1),
+    }
+    assert {str(action): action for action in table.values()} == table
+    assert {text: Action.parse(text) for text in table} == table
+    for kind in SCHEDULES:
+        for stage, actions in enumerate(schedule_table(kind, 3, 4)):
+            assert [str(Action.parse(a).on(stage)) for a in actions] == [f"{stage}{a}" for a in actions]
+
+
+@pytest.mark.parametrize("text", ["", "F", "B", "S0", "X1", "F-1", "F0 ", "2", "FB1", "f0", "2S3"])
+def test_a_malformed_action_is_refused(text):
+    with pytest.raises(EdgertError, match=r"expected F<micro-batch>, B<micro-batch> or S"):
+        Action.parse(text)

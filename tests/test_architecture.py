@@ -1,0 +1,400 @@
+"""The rooms stay apart: import rules checked on the import graph, read statically from every module.
+
+Every ``import`` counts, at module level or inside a function (``if TYPE_CHECKING`` too: a
+contract that points the wrong way in its types points the wrong way); ``from package import
+name`` imports the submodule when ``name`` is one. The rules (issue 16; the map in edgert/__init__.py):
+
+1. ``edgert.transport`` and ``edgert.models`` import nothing of edgert outside themselves but
+   ``edgert.errors`` (the base error).
+2. What ``edgert worker`` loads, ``edgert.worker`` and everything it imports, with the command
+   line that starts it, holds no ``edgert.exporter``, ``edgert.coordinator``, ``edgert.bench``,
+   ``onnx``, ``torch`` or ``sklearn``. In ``edgert.cli`` a command's body runs only for that
+   command, so there the closure follows module-level code, the worker command and the functions
+   they name, not the other commands' bodies.
+3. The contract (``edgert/*.py``) imports neither role, nor the exporter, benchmarks or CLI.
+4. The worker, the coordinator, the contract and the transport never import ``edgert.bench``.
+
+A broken rule fails with the offending import:
+``edgert/protocol.py:36 imports edgert.worker.executor (the contract must not import a role)``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BOARD_FORBIDDEN = ("edgert.exporter", "edgert.coordinator", "edgert.bench", "onnx", "torch", "sklearn")
+CONTRACT_FORBIDDEN = ("edgert.worker", "edgert.coordinator", "edgert.exporter", "edgert.bench", "edgert.cli")
+BENCH_FREE = ("edgert.worker", "edgert.coordinator", "edgert.transport")  # and the contract
+WORKER_COMMAND = "worker"
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, where it is written, and in which top-level function or class."""
+
+    source: str
+    path: str
+    line: int
+    target: str
+    scope: str | None  # the top-level def/class whose body holds it; None at module level
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} imports {self.target}"
+
+
+@dataclass
+class Module:
+    name: str
+    path: str  # relative to the repository, as messages show it
+    is_package: bool
+    tree: ast.Module
+    imports: list[Import] = field(default_factory=list)
+
+
+def inside(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+class ImportGraph:
+    """Every module of the given packages (name -> folder) and the imports each one writes."""
+
+    def __init__(self, packages: dict[str, Path], root: Path):
+        self.modules: dict[str, Module] = {}
+        for package, folder in packages.items():
+            for file in sorted(folder.rglob("*.py")):
+                parts = file.relative_to(folder).with_suffix("").parts
+                is_package = parts[-1] == "__init__"
+                name = ".".join((package, *(parts[:-1] if is_package else parts)))
+                tree = ast.parse(file.read_text(), str(file))
+                self.modules[name] = Module(name, file.relative_to(root).as_posix(), is_package, tree)
+        for module in self.modules.values():
+            module.imports = list(self._imports(module))
+
+    @classmethod
+    def of_repository(cls) -> ImportGraph:
+        tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later: the host's
+        setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+        return cls({name: REPO / folder for name, folder in setuptools["package-dir"].items()}, REPO)
+
+    def _imports(self, module: Module):
+        package = module.name if module.is_package else module.name.rpartition(".")[0]
+        for scope, node in _scoped_nodes(module.tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in self.modules else base for a in node.names]
+            elif _is_import_call(node):
+                targets = [node.args[0].value]
+            else:
+                continue
+            for target in dict.fromkeys(targets):
+                yield Import(module.name, module.path, node.lineno, target, scope)
+
+    def loads(self, target: str) -> list[str]:
+        """The modules of this graph that importing ``target`` runs: its packages' ``__init__``, then it."""
+        parts = target.split(".")
+        return [name for name in (".".join(parts[:k]) for k in range(1, len(parts) + 1)) if name in self.modules]
+
+
+def _scoped_nodes(tree: ast.Module):
+    """(scope, node) for every node; scope names the top-level function or class whose code holds it."""
+    for statement in tree.body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for part in (*statement.decorator_list, statement.args):
+                yield from ((None, node) for node in ast.walk(part))
+            yield from ((statement.name, node) for body in statement.body for node in ast.walk(body))
+        elif isinstance(statement, ast.ClassDef):
+            for item in statement.body:
+                method = isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                yield from ((statement.name if method else None, node) for node in ast.walk(item))
+            yield from ((None, node) for part in statement.decorator_list for node in ast.walk(part))
+        else:
+            yield from ((None, node) for node in ast.walk(statement))
+
+
+def _is_import_call(node: ast.AST) -> bool:
+    """``importlib.import_module("name")`` or ``__import__("name")`` with a literal name."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name in ("import_module", "__import__") and isinstance(node.args[0].value, str)
+
+
+# -- the CLI: which function bodies run for `edgert worker` ---------------------------------------
+
+def cli_scopes_run(graph: ImportGraph, command: str = WORKER_COMMAND) -> set[tuple[str, str]]:
+    """(module, top-level name) of every CLI function or class that ``edgert <command>`` may run.
+
+    Module-level code and the command's function run; so does every top-level function or class
+    they name, in the same module or imported from another ``edgert.cli`` module, and so on.
+    """
+    cli = {name: m for name, m in graph.modules.items() if inside(name, "edgert.cli")}
+    defined = {name: {s.name: s for s in m.tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                     ast.ClassDef))} for name, m in cli.items()}
+    bound = {name: _names_bound_to_cli(graph, m) for name, m in cli.items()}
+    queue = deque((name, None) for name in cli)
+    queue += [(name, f) for name, defs in defined.items() for f, s in defs.items() if _is_command(s, command)]
+    run: set[tuple[str, str | None]] = set(queue)
+    while queue:
+        module, scope = queue.popleft()
+        for ref_scope, node in _scoped_nodes(cli[module].tree):
+            if ref_scope != scope or not isinstance(node, ast.Name):
+                continue
+            where = (module, node.id) if node.id in defined[module] else bound[module].get(node.id)
+            if where is not None and where[1] in defined.get(where[0], {}) and where not in run:
+                run.add(where)
+                queue.append(where)
+    return {(module, scope) for module, scope in run if scope is not None}
+
+
+def _names_bound_to_cli(graph: ImportGraph, module: Module) -> dict[str, tuple[str, str]]:
+    """Names this module imports from another CLI module: local name -> (module, name there)."""
+    names = {}
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.ImportFrom) and node.module and inside(node.module, "edgert.cli"):
+            names.update({(a.asname or a.name): (node.module, a.name) for a in node.names})
+    return names
+
+
+def _is_command(statement: ast.stmt, command: str) -> bool:
+    """Whether a ``@<group>.command("<command>")`` decorator names this function."""
+    return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "command"
+               and d.args and isinstance(d.args[0], ast.Constant) and d.args[0].value == command
+               for d in getattr(statement, "decorator_list", ()))
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+def contract_modules(graph: ImportGraph) -> list[str]:
+    """``edgert/*.py``: the modules both roles speak (not the package's ``__init__``/``__main__``)."""
+    return [name for name, m in graph.modules.items()
+            if name.count(".") == 1 and inside(name, "edgert") and not m.is_package and name != "edgert.__main__"]
+
+
+def own_room_violations(graph: ImportGraph, package: str) -> list[str]:
+    """Rule 1: ``package`` imports of edgert only itself and the base error."""
+    return [f"{i} ({package} may import of edgert only itself and edgert.errors)"
+            for name, m in graph.modules.items() if inside(name, package) for i in m.imports
+            if inside(i.target, "edgert") and not inside(i.target, package) and i.target != "edgert.errors"]
+
+
+def contract_violations(graph: ImportGraph) -> list[str]:
+    """Rule 3: the contract imports neither role, nor the exporter, the benchmarks or the CLI."""
+    return [f"{i} (the contract must not import {_reason(forbidden)})"
+            for name in contract_modules(graph) for i in graph.modules[name].imports
+            for forbidden in CONTRACT_FORBIDDEN if inside(i.target, forbidden)]
+
+
+def bench_violations(graph: ImportGraph) -> list[str]:
+    """Rule 4: benchmarks sit beside the runtime and the wire, never inside."""
+    runtime = [n for n in graph.modules if any(inside(n, p) for p in BENCH_FREE)] + contract_modules(graph)
+    return [f"{i} (the runtime and the wire must not import benchmarks)"
+            for name in runtime for i in graph.modules[name].imports if inside(i.target, "edgert.bench")]
+
+
+def board_violations(graph: ImportGraph, command: str = WORKER_COMMAND) -> list[str]:
+    """Rule 2: what ``edgert <command>`` and ``edgert.worker`` load holds none of BOARD_FORBIDDEN."""
+    return board_closure(graph, command)[1]
+
+
+def board_closure(graph: ImportGraph, command: str = WORKER_COMMAND) -> tuple[dict[str, str | None], list[str]]:
+    """The modules the worker loads (each with the module that first imported it) and the forbidden imports."""
+    cli_run = cli_scopes_run(graph, command)
+    roots = [n for n in graph.modules if inside(n, "edgert.worker") or n in ("edgert.cli", "edgert.__main__")]
+    came_from: dict[str, str | None] = {name: None for name in roots}
+    queue, violations = deque(roots), []
+    while queue:
+        module = queue.popleft()
+        for i in graph.modules[module].imports:
+            if inside(module, "edgert.cli") and i.scope is not None and (module, i.scope) not in cli_run:
+                continue  # another command's body
+            forbidden = [f for f in BOARD_FORBIDDEN if inside(i.target, f)]
+            if forbidden:
+                path = " -> ".join(_chain(came_from, module))
+                violations.append(f"{i} (edgert worker must not load {forbidden[0]}; loaded through {path})")
+                continue
+            for name in graph.loads(i.target):
+                if name not in came_from:
+                    came_from[name] = module
+                    queue.append(name)
+    return came_from, violations
+
+
+def _chain(came_from: dict[str, str | None], module: str) -> list[str]:
+    chain = [module]
+    while came_from[chain[-1]] is not None:
+        chain.append(came_from[chain[-1]])
+    return chain[::-1]
+
+
+def _reason(forbidden: str) -> str:
+    return "a role" if forbidden in ("edgert.worker", "edgert.coordinator") else forbidden
+
+
+# -- the repository keeps the rules ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def graph() -> ImportGraph:
+    return ImportGraph.of_repository()
+
+
+def test_the_graph_covers_every_package(graph):
+    tomllib = pytest.importorskip("tomllib")
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert set(packages) <= {name for name, m in graph.modules.items() if m.is_package}
+    assert {"edgert.protocol", "edgert.worker.worker", "edgert.transport.codec"} <= set(graph.modules)
+    commands = [(name, s.name) for name, m in graph.modules.items() if inside(name, "edgert.cli")
+                for s in m.tree.body if _is_command(s, WORKER_COMMAND)]
+    assert len(commands) == 1 and commands[0] in cli_scopes_run(graph), commands  # the closure starts there
+
+
+@pytest.mark.parametrize("package", ["edgert.transport", "edgert.models"])
+def test_transport_and_models_import_only_the_base_error(graph, package):
+    assert own_room_violations(graph, package) == []
+
+
+def test_the_worker_loads_no_host_code(graph):
+    assert board_violations(graph) == []
+
+
+def test_the_contract_imports_no_role(graph):
+    assert contract_violations(graph) == []
+
+
+def test_the_runtime_imports_no_benchmark(graph):
+    assert bench_violations(graph) == []
+
+
+def test_the_static_closure_holds_what_the_worker_command_really_loads(graph):
+    """The static closure is no guess: a process that starts ``edgert worker`` loads nothing outside it."""
+    reached, _ = board_closure(graph)
+    code = ("import sys\nfrom edgert.cli import main\nimport edgert.worker.worker, edgert.worker.readiness\n"
+            "sys.argv = ['edgert', 'worker', '--help']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('MODULES', *sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('edgert', 'onnx', 'torch', 'sklearn')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr
+    loaded = set(result.stdout.partition("MODULES")[2].split())
+    assert {m for m in loaded if not m.startswith("edgert")} == set()
+    assert loaded - set(reached) - {"edgert"} == set()
+
+
+# -- each rule can fail: a fake repository breaking one rule at a time ----------------------------
+
+CLEAN = {
+    "edgert/__init__.py": "",
+    "edgert/errors.py": "class EdgertError(Exception): ...\n",
+    "edgert/protocol.py": "from edgert.errors import EdgertError\nfrom . import schedule\n",
+    "edgert/schedule.py": "import numpy\n",
+    "edgert/worker/__init__.py": "",
+    "edgert/worker/executor.py": "from edgert import schedule\nfrom edgert.protocol import EdgertError\n",
+    "edgert/coordinator/__init__.py": "",
+    "edgert/coordinator/run.py": "import onnx\nfrom edgert.exporter import plan\n",
+    "edgert/bench/__init__.py": "",
+    "edgert/bench/faults.py": "from edgert.worker import executor\n",
+    "edgert/cli/__init__.py": "def main(): ...\n\ndef _register():\n    from edgert.cli import runtime\n\n"
+                              "_register()\n",
+    "edgert/cli/params.py": "class Url:\n    def convert(self):\n        from edgert.transport import urls\n",
+    "edgert/cli/runtime.py": textwrap.dedent("""\
+        from edgert.cli import main
+        from edgert.cli.params import Url
+
+        @main.command("worker", type=Url())
+        def worker_command():
+            from edgert.worker.executor import run
+            _helper()
+
+        def _helper():
+            import numpy
+
+        @main.command("train")
+        def train_command():
+            from edgert.coordinator import run
+            import onnx
+        """),
+    "transport/__init__.py": "",
+    "transport/urls.py": "from edgert.errors import EdgertError\nfrom .codec import codec\n",
+    "transport/codec.py": "",
+    "exporter/__init__.py": "",
+    "exporter/plan.py": "import onnx\n",
+    "models/__init__.py": "",
+    "models/mlp.py": "import onnx\nfrom edgert.models import errors\n",
+    "models/errors.py": "from edgert.errors import EdgertError\n",
+}
+PACKAGES = {"edgert": "edgert", "edgert.exporter": "exporter", "edgert.transport": "transport",
+            "edgert.models": "models"}
+
+
+def fake_graph(tmp_path: Path, changes: dict[str, str]) -> ImportGraph:
+    for name, text in {**CLEAN, **changes}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return ImportGraph({package: tmp_path / folder for package, folder in PACKAGES.items()}, tmp_path)
+
+
+def all_violations(graph: ImportGraph) -> list[str]:
+    return (own_room_violations(graph, "edgert.transport") + own_room_violations(graph, "edgert.models")
+            + board_violations(graph) + contract_violations(graph) + bench_violations(graph))
+
+
+def test_the_clean_fake_repository_keeps_every_rule(tmp_path):
+    graph = fake_graph(tmp_path, {})
+    assert all_violations(graph) == []
+    reached, _ = board_closure(graph)
+    # from-imports of submodules, relative imports, the worker command's helpers, a param type's method
+    assert {"edgert.schedule", "edgert.protocol", "edgert.cli.params", "edgert.transport.urls",
+            "edgert.transport.codec"} <= set(reached)
+    assert "edgert.coordinator.run" not in reached  # only the train command's body imports it
+
+
+@pytest.mark.parametrize("file,text,violation", [
+    ("transport/codec.py", "def f():\n    from edgert.worker.executor import run\n",
+     "transport/codec.py:2 imports edgert.worker.executor (edgert.transport may import of edgert only itself "
+     "and edgert.errors)"),
+    ("models/mlp.py", "from edgert import protocol\n",
+     "models/mlp.py:1 imports edgert.protocol (edgert.models may import of edgert only itself and edgert.errors)"),
+    ("edgert/schedule.py", "import os\nfrom edgert.worker import executor\n",
+     "edgert/schedule.py:2 imports edgert.worker.executor (the contract must not import a role)"),
+    ("edgert/schedule.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import edgert.coordinator.run\n",
+     "edgert/schedule.py:3 imports edgert.coordinator.run (the contract must not import a role)"),
+    ("edgert/protocol.py", "def report():\n    from edgert.cli.runtime import worker_command\n",
+     "edgert/protocol.py:2 imports edgert.cli.runtime (the contract must not import edgert.cli)"),
+    ("edgert/worker/executor.py", "from ..coordinator import run\n",
+     "edgert/worker/executor.py:1 imports edgert.coordinator.run (edgert worker must not load edgert.coordinator; "
+     "loaded through edgert.worker.executor)"),
+    ("edgert/coordinator/run.py", "from edgert.bench.faults import inject\n",
+     "edgert/coordinator/run.py:1 imports edgert.bench.faults (the runtime and the wire must not import "
+     "benchmarks)"),
+    ("edgert/worker/executor.py", "def run():\n    import torch.nn\n",
+     "edgert/worker/executor.py:2 imports torch.nn (edgert worker must not load torch; loaded through "
+     "edgert.worker.executor)"),
+    ("edgert/protocol.py", "import importlib\nimportlib.import_module('sklearn.linear_model')\n",
+     "edgert/protocol.py:2 imports sklearn.linear_model (edgert worker must not load sklearn; loaded through "
+     "edgert.worker.executor -> edgert.protocol)"),
+    ("edgert/cli/params.py", "class Url:\n    def convert(self):\n        from edgert.exporter.plan import p\n",
+     "edgert/cli/params.py:3 imports edgert.exporter.plan (edgert worker must not load edgert.exporter; loaded "
+     "through edgert.cli -> edgert.cli.runtime -> edgert.cli.params)"),
+    ("edgert/cli/runtime.py", CLEAN["edgert/cli/runtime.py"].replace("import numpy", "import onnx"),
+     "edgert/cli/runtime.py:10 imports onnx (edgert worker must not load onnx; loaded through edgert.cli -> "
+     "edgert.cli.runtime)"),
+])
+def test_each_rule_names_the_offending_import(tmp_path, file, text, violation):
+    violations = all_violations(fake_graph(tmp_path, {file: text}))
+    assert any(v.startswith(violation) for v in violations), violations
