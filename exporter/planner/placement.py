@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edgert.exporter.planner import costs
 from edgert.exporter.planner.costs import Stage
 from edgert.exporter.planner.problem import (
     PlanError,
@@ -19,7 +20,6 @@ from edgert.exporter.planner.problem import (
     stashes_activations,
     stashes_weights,
 )
-from edgert.exporter.planner import costs
 from edgert.schedule import simulate
 
 
