@@ -273,7 +273,7 @@ class OscoreKeys:
         if isinstance(self.material, OscorePairwise):
             if kid != self.material.recipient_id or kid_context != self.material.id_context:
                 raise OscoreRefused("no OSCORE context for this sender: a worker takes OSCORE requests from its "
-                              "cluster's coordinator only")
+                                    "cluster's coordinator only")
             context = self._device_side()
         else:
             if kid != DEVICE_ID or not kid_context:
