@@ -1,7 +1,9 @@
-"""Errors the runtime raises; each carries one line a user can act on.
+"""Errors of the contract both roles speak, and :class:`EdgertError`, the base of every edgert error.
 
-The CLI prints ``str(error)`` of any :class:`EdgertError` as one ``error:`` line instead of a
-traceback (edgert/cli/__init__.py says which other exceptions it treats so, and the exit codes).
+Each role and package keeps its own in its ``errors.py`` (edgert/worker, edgert/coordinator,
+edgert/security, exporter, transport, models), all derived from :class:`EdgertError`. The CLI
+prints ``str(error)`` of any :class:`EdgertError` as one ``error:`` line instead of a traceback
+(edgert/cli/__init__.py says which other exceptions it treats so, and the exit codes).
 """
 
 
@@ -17,8 +19,16 @@ class StageError(EdgertError):
     """A stage was given inputs it cannot run on (wrong names, shapes or dtypes)."""
 
 
-class TrainingError(EdgertError):
-    """A training run could not start or could not go on."""
+class ProtocolError(EdgertError):
+    """A message is well-formed CBOR but not what this resource expects."""
+
+
+class ReplicaStoreFull(EdgertError):
+    """Peers sent more replica bytes than this worker keeps."""
+
+
+class ProviderError(EdgertError):
+    """An execution provider was asked for that the installed onnxruntime does not offer."""
 
 
 class MissingDependencyError(EdgertError):

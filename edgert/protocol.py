@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from edgert import meta_fields as fields
-from edgert.errors import EdgertError
+from edgert.errors import ProtocolError
 from edgert.manifest import MEMORY_MODES, StageEntry, TrainingConfig, stage_from_json, stage_to_json
 from edgert.schedule import SCHEDULES, MicroBatch, Schedule, Window, split_batch
 from edgert.transport import BadRequest, Envelope, get_codec
@@ -71,10 +71,6 @@ class StepReport:
 
 
 T = TypeVar("T")
-
-
-class ProtocolError(EdgertError):
-    """A message is well-formed CBOR but not what this resource expects."""
 
 
 def read_request(parse: Callable[[Any], T], body: Any) -> T:

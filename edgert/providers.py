@@ -8,7 +8,7 @@ that lists the ones it does.
 
 from __future__ import annotations
 
-from edgert.errors import EdgertError
+from edgert.errors import ProviderError
 from edgert.ort_import import onnxruntime
 
 CPU = "CPUExecutionProvider"
@@ -18,10 +18,6 @@ ALIASES = {
     "xnnpack": "XnnpackExecutionProvider", "acl": "ACLExecutionProvider", "armnn": "ArmNNExecutionProvider",
     "openvino": "OpenVINOExecutionProvider", "coreml": "CoreMLExecutionProvider", "qnn": "QNNExecutionProvider",
 }
-
-
-class ProviderError(EdgertError):
-    """An execution provider was asked for that the installed onnxruntime does not offer."""
 
 
 def parse_providers(text: str) -> tuple[str, ...]:

@@ -16,16 +16,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from edgert.errors import EdgertError
+from edgert.errors import EdgertError, ReplicaStoreFull
 from edgert.weights import StageState
 
 KEEP_VERSIONS = 2
 SELF_ORIGIN = "self"
 DEFAULT_MAX_PEER_BYTES = 256 << 20  # all copies from peers together (a worker's own are not counted)
-
-
-class ReplicaStoreFull(EdgertError):
-    """Peers sent more replica bytes than this worker keeps."""
 
 
 @dataclass(frozen=True)

@@ -25,3 +25,11 @@ class GradientError(ExportError):
 
 class PortabilityError(ExportError):
     """A stage graph needs an operator that stock onnxruntime lacks and that edgert cannot rewrite."""
+
+
+class PlanError(ExportError):
+    """No placement exists (nothing fits in memory), or the planning problem is malformed."""
+
+
+class PredictorError(ExportError):
+    """Bad input to the latency predictor: unknown device, empty profile, malformed file."""

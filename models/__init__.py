@@ -10,11 +10,17 @@ Map of the package:
 - ``graph.py``        :class:`GraphBuilder`: ``/<block>/<sub>/<OpType>`` node names, seeded
                       ``<block>.<sub>.<kind>`` initializers, opset 17 / IR 8 models
 - ``layers.py``       conv, batch_norm, relu6, linear, projection, layer_norm, gelu
-- ``mlp.py``, ``mlp_deep.py``, ``cnn.py``, ``resnet.py``, ``mobilenet.py``, ``transformer.py``: one
-  ``build(spec, seed)`` per model family
+- ``mlp.py``          ``mlp``: three ReLU hidden layers on the flattened digits
+- ``mlp_deep.py``     ``mlp-deep``: a stack of identical ReLU layers (equal blocks for benchmarks)
+- ``cnn.py``          ``cnn``: three Conv-BN-ReLU blocks and a two-layer head on 8x8 digits
+- ``resnet.py``       ``resnet-mini``: residual blocks split in two cut units (cuts cross skips)
+- ``mobilenet.py``    ``mobilenet-mini``: depthwise-separable Conv blocks with BN and ReLU6
+- ``transformer.py``  ``transformer-mini``: two pre-LN transformer layers on token sequences
+- ``fitting_set.py``  :data:`EXTRA_MODELS`: the models the latency predictor is fitted on besides the zoo
 
-Importing this package does not import onnx (a board loads datasets without it): builders
-are imported when a model is built. docs/MODELS.md describes every model and data set.
+Each model module has one ``build(spec, seed)``. Importing this package does not import onnx (a board
+loads datasets without it): builders are imported when a model is built. docs/MODELS.md describes
+every model and data set. Of ``edgert`` it imports only ``edgert.errors``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """Latency predictor evaluation: its error on held-out models and on unseen devices.
 
 1. Profiles: every zoo model and the predictor's extra fitting models
-   (``models/calibration.py``), each block as its own stage (a "units" plan) and
+   (``models/fitting_set.py``), each block as its own stage (a "units" plan) and
    the stages of a balanced 2-stage plan, measured through the real stage runtime on four
    emulated devices of this host: ``t11`` (1 forward / 1 backward ORT thread), ``t12``,
    ``t21``, and ``t11-x3`` (t11 emulated 3x slower), at micro-batches 4, 16 and 64.
@@ -47,7 +47,7 @@ from edgert.exporter.predictor.observations import (
     save_observations,
 )
 from edgert.models import build_model, list_models
-from edgert.models.calibration import EXTRA_MODELS
+from edgert.models.fitting_set import EXTRA_MODELS
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "edgert-predictor-profiles.json"
 ONLINE_STEPS = (0, 3, 10)

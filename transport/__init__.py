@@ -2,28 +2,29 @@
 
 Map of the package (wire format: docs/PROTOCOL.md):
 
-- ``envelope.py``    :class:`Envelope`, :func:`encode_envelope`, :func:`decode_envelope`: the message
-- ``tensor.py``      RFC 8746 typed arrays in tag 40: zero-copy tensor encode/decode, dtype table
-- ``codec.py``       compression codecs ``none``/``fp16``/``int8``/``int4``/``topk``, :func:`get_codec`
-- ``cbor.py``        the CBOR subset (zero-copy byte strings, strict limits) under both of the above
-- ``limits.py``      :class:`Limits`: declared size and structure caps (4.13 / 4.00), connection limits
-- ``errors.py``      :class:`TransportError` and the CoAP-coded errors (``NotFound`` = 4.04 ...)
-- ``message.py``     :class:`Request` (what handlers get) and :class:`Response` (what both sides return)
-- ``server.py``      :class:`TensorServer`: resources, ``/.well-known/core``, TCP screening, OSCORE/TLS refusals
-- ``endpoint.py``    one served path: head checks (method, role, Content-Format), size, envelope, handler
-- ``urls.py``        :func:`parse_url`, :func:`format_url`: the one parser of ``coap+tcp://``, ``coaps+tcp://``,
-  ``coap://`` URLs
-- ``client.py``      :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`
-- ``observe.py``     RFC 7641: :class:`Observation` (client side), :class:`Observable` (server side)
-- ``linkformat.py``  RFC 6690 link format: :class:`Link`, render, parse
-- ``coap_tcp.py``    CoAP over TCP with negotiated large messages (aiocoap transport subclass), ``DEFAULT_PORT``
+- ``envelope.py``     :class:`Envelope`, :func:`encode_envelope`, :func:`decode_envelope`: the message
+- ``tensor.py``       RFC 8746 typed arrays in tag 40: zero-copy tensor encode/decode, dtype table
+- ``codec.py``        compression codecs ``none``/``fp16``/``int8``/``int4``/``topk``, :func:`get_codec`
+- ``cbor.py``         the CBOR subset (zero-copy byte strings, strict limits) under both of the above
+- ``limits.py``       :class:`Limits`: declared size and structure caps (4.13 / 4.00), connection limits
+- ``errors.py``       :class:`TransportError`, the CoAP-coded errors (``NotFound`` = 4.04 ...), credential errors
+- ``message.py``      :class:`Request` (what handlers get) and :class:`Response` (what both sides return)
+- ``server.py``       :class:`TensorServer`: resources, ``/.well-known/core``, TCP screening, OSCORE/TLS refusals
+- ``endpoint.py``     one served path: head checks (method, role, Content-Format), size, envelope, handler
+- ``urls.py``         :func:`parse_url`, :func:`format_url`: the one parser of the URLs edgert takes
+- ``client.py``       :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`
+- ``observe.py``      RFC 7641: :class:`Observation` (client side), :class:`Observable` (server side)
+- ``linkformat.py``   RFC 6690 link format: :class:`Link`, render, parse
+- ``coap_tcp.py``     CoAP over TCP with negotiated large messages (aiocoap transport subclass), ``DEFAULT_PORT``
 - ``frame_reader.py`` receiving RFC 8323 frames: heads screened first, buffers that grow with the bytes
-- ``guard.py``       what peers can make a server hold: connection cap, unverified-bytes budget, timeouts
-- ``framing.py``     RFC 8323 framing at the byte level (frame length, options, frame head)
-- ``deadline.py``    ``timeout``: bounding an awaited block on Python 3.10 and newer
-- ``tls.py``         credentials (:class:`TlsCredentials`), the TLS contexts of ``coaps+tcp``, revocation
-- ``oscore.py``      OSCORE for ``coap://``: the protecting client and the 4.01-answering server
-- ``oscore_keys.py`` OSCORE contexts from enrolment, with persistent sequence numbers and replay windows
+- ``framing.py``      RFC 8323 framing at the byte level (frame length, options, frame head)
+- ``guard.py``        what peers can make a server hold: connection cap, unverified-bytes budget, timeouts
+- ``deadline.py``     ``timeout``: bounding an awaited block on Python 3.10 and newer
+- ``tls.py``          credentials (:class:`TlsCredentials`), the TLS contexts of ``coaps+tcp``, revocation
+- ``oscore.py``       OSCORE for ``coap://``: the protecting client and the 4.01-answering server
+- ``oscore_keys.py``  OSCORE contexts from enrolment, with persistent sequence numbers and replay windows
+
+Of ``edgert`` it imports only ``edgert.errors``.
 """
 
 from edgert.transport.client import ClientConfig, SyncClient, TensorClient

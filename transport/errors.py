@@ -1,4 +1,4 @@
-"""Transport errors; each knows the CoAP response code it travels as.
+"""Transport errors; each response error knows the CoAP response code it travels as.
 
 Servers raise them (or the transport raises them while decoding) and the client
 re-raises the matching class from an error response, so ``except NotFound`` works
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from aiocoap import Message
-from aiocoap.error import RenderableError
+from aiocoap.error import NetworkError, RenderableError
 from aiocoap.numbers.codes import Code
 
 from edgert.errors import EdgertError
@@ -60,6 +60,10 @@ class Unauthorized(ResponseError):
         message = super().to_message()
         message.opt.max_age = 0
         return message
+
+
+class OscoreRefused(Unauthorized):
+    """4.01: an OSCORE request that does not verify or comes from no live enrolment; the diagnostic says why."""
 
 
 class Forbidden(ResponseError):
@@ -128,6 +132,18 @@ class RequestTimeout(TransportError):
 
 class PeerUnreachable(TransportError):
     """The peer could not be reached (connection refused, reset or closed), after all retries."""
+
+
+class OscoreUnverified(TransportError, NetworkError):
+    """A response to an OSCORE request that does not verify (forged or damaged): aiocoap treats it as lost,
+    the client as an unreachable peer."""
+
+
+class CredentialError(EdgertError):
+    """A credential file is missing, unreadable, malformed or not a cluster credential.
+
+    Not a :class:`TransportError`: a caller that treats those as an unreachable peer must not take a
+    broken credential of its own for one."""
 
 
 _BY_CODE: dict[Code, type[ResponseError]] = {

@@ -33,8 +33,9 @@ from aiocoap.numbers import MAX_REGULAR_BLOCK_SIZE_EXP
 from aiocoap.numbers.codes import Code
 from aiocoap.pipe import IterablePipe, error_to_message, run_driving_pipe
 
-from edgert.transport.oscore_keys import OscoreKeys, Refused, StoredContext
-from edgert.transport.tls import CredentialError, PeerIdentity
+from edgert.transport.errors import CredentialError, OscoreRefused, OscoreUnverified
+from edgert.transport.oscore_keys import OscoreKeys, StoredContext
+from edgert.transport.tls import PeerIdentity
 
 log = logging.getLogger("edgert.transport.oscore")
 _render_log = logging.getLogger("coap-server.oscore")  # where aiocoap logs rendering (block continuations...)
@@ -77,10 +78,6 @@ class OscoreAddress(interfaces.EndpointAddress):
 
 
 # -- client ----------------------------------------------------------------------------------
-
-
-class OscoreUnverified(coap_error.NetworkError):
-    """A response to an OSCORE request that does not verify (forged or damaged): treated as lost."""
 
 
 class OscoreRequests(interfaces.RequestInterface):
@@ -216,10 +213,9 @@ class OscoreSite(interfaces.Resource):
             return
         try:
             context, unprotected, request_id = self._verify(request, pipe)
-        except Refused as refused:
-            log.info("refused OSCORE request from %s: %s", _hostinfo(request), refused)
-            pipe.add_response(aiocoap.Message(code=Code.UNAUTHORIZED, max_age=0,
-                                              payload=str(refused).encode()[:1024]), is_last=True)
+        except OscoreRefused as refused:
+            log.info("refused OSCORE request from %s: %s", _hostinfo(request), refused.diagnostic)
+            pipe.add_response(refused.to_message(), is_last=True)
             return
         except CredentialError as error:  # our side: the state of that peer's context cannot be kept
             log.error("cannot serve an OSCORE request from %s: %s", _hostinfo(request), error)
@@ -252,9 +248,9 @@ class OscoreSite(interfaces.Resource):
         try:
             bag = oscore.verify_start(request)
         except oscore.DecodeError:
-            raise Refused("the OSCORE option is malformed") from None
+            raise OscoreRefused("the OSCORE option is malformed") from None
         if request.code not in (Code.POST, Code.FETCH):
-            raise Refused("an OSCORE request travels as POST or FETCH")
+            raise OscoreRefused("an OSCORE request travels as POST or FETCH")
         context = self.keys.for_request(bag)
         try:
             with context.lock:
@@ -264,9 +260,9 @@ class OscoreSite(interfaces.Resource):
                 pipe.add_response(challenge.to_message(), is_last=True)
             return None, None, None
         except oscore.ReplayError:
-            raise Refused("replayed request: its OSCORE sequence number was already used") from None
+            raise OscoreRefused("replayed request: its OSCORE sequence number was already used") from None
         except (oscore.ProtectionInvalid, oscore.ContextUnavailable, ValueError, TypeError, IndexError) as error:
-            raise Refused(f"the request fails OSCORE verification ({type(error).__name__})") from None
+            raise OscoreRefused(f"the request fails OSCORE verification ({type(error).__name__})") from None
         return context, unprotected, request_id
 
 
@@ -277,4 +273,4 @@ def _hostinfo(message: aiocoap.Message) -> str:
         return "?"
 
 
-__all__ = ["OscoreAddress", "OscoreRequests", "OscoreSite", "OscoreUnverified", "UNPROTECTED"]
+__all__ = ["OscoreAddress", "OscoreRequests", "OscoreSite", "UNPROTECTED"]

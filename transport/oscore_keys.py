@@ -31,9 +31,9 @@ from aiocoap import oscore
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from edgert.transport.errors import CredentialError, OscoreRefused
 from edgert.transport.tls import (
     ROLES,
-    CredentialError,
     OscorePairwise,
     OscoreRoot,
     PeerIdentity,
@@ -46,10 +46,6 @@ log = logging.getLogger("edgert.transport.oscore")
 DEVICE_ID, COORDINATOR_ID = b"\x01", b"\x00"
 ALGORITHM = "AES-CCM-16-64-128"
 _KDF_SALT = b"edgert oscore v1"
-
-
-class Refused(Exception):
-    """Why an OSCORE request is answered 4.01 (the diagnostic)."""
 
 
 # -- keys ----------------------------------------------------------------------------------
@@ -271,34 +267,34 @@ class OscoreKeys:
         return self._coordinator_side(device)
 
     def for_request(self, unprotected: dict) -> StoredContext:
-        """The context of an incoming request (its kid and kid context); raises :class:`Refused`."""
+        """The context of an incoming request (its kid and kid context); raises :class:`OscoreRefused`."""
         kid = unprotected.get(oscore.COSE_KID)
         kid_context = unprotected.get(oscore.COSE_KID_CONTEXT)
         if isinstance(self.material, OscorePairwise):
             if kid != self.material.recipient_id or kid_context != self.material.id_context:
-                raise Refused("no OSCORE context for this sender: a worker takes OSCORE requests from its "
-                              "cluster's coordinator only")
+                raise OscoreRefused("no OSCORE context for this sender: a worker takes OSCORE requests from its "
+                                    "cluster's coordinator only")
             context = self._device_side()
         else:
             if kid != DEVICE_ID or not kid_context:
-                raise Refused("no OSCORE context for this sender (not an enrolled device of this cluster)")
+                raise OscoreRefused("no OSCORE context for this sender (not an enrolled device of this cluster)")
             device = _device_of(kid_context)
             try:
                 entry = self._devices.find(device.name, device.serial)
             except CredentialError as error:
                 log.warning("cannot check an OSCORE request: %s", error)
-                raise Refused("the coordinator cannot check devices right now (no device registry)") from None
+                raise OscoreRefused("the coordinator cannot check devices right now (no device registry)") from None
             if entry is None or entry.get("role") != device.role:
-                raise Refused(f"{device} is not enrolled in this cluster")
+                raise OscoreRefused(f"{device} is not enrolled in this cluster")
             if entry.get("revoked"):  # the registry knows even before a revocation list is loaded
-                raise Refused(f"the credential of {device} is revoked")
+                raise OscoreRefused(f"the credential of {device} is revoked")
             reason = self.tls.check(device) or _expired(entry, device)
             if reason is not None:
-                raise Refused(reason)
+                raise OscoreRefused(reason)
             context = self._coordinator_side(device)
         reason = self.tls.check(context.peer)
         if reason is not None:
-            raise Refused(reason)
+            raise OscoreRefused(reason)
         return context
 
     def prepare(self) -> None:
@@ -346,12 +342,12 @@ def _device_of(kid_context: bytes) -> PeerIdentity:
     try:
         name, role, serial = cbor2.loads(kid_context)
     except Exception:  # noqa: BLE001  (any malformed CBOR from the network)
-        raise Refused("the OSCORE ID Context names no device") from None
+        raise OscoreRefused("the OSCORE ID Context names no device") from None
     if not isinstance(name, str) or role not in ROLES or not isinstance(serial, int) or isinstance(serial, bool):
-        raise Refused("the OSCORE ID Context names no device")
+        raise OscoreRefused("the OSCORE ID Context names no device")
     device = PeerIdentity(name=name, role=role, serial=serial)
     if id_context(device) != kid_context:
-        raise Refused("the OSCORE ID Context is not in canonical form")
+        raise OscoreRefused("the OSCORE ID Context is not in canonical form")
     return device
 
 
@@ -365,5 +361,5 @@ def _expired(entry: dict, device: PeerIdentity) -> str | None:
     return None
 
 
-__all__ = ["ALGORITHM", "COORDINATOR_ID", "DEVICE_ID", "OscoreKeys", "Refused", "StoredContext",
+__all__ = ["ALGORITHM", "COORDINATOR_ID", "DEVICE_ID", "OscoreKeys", "StoredContext",
            "device_context", "id_context", "state_dir"]

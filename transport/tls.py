@@ -49,7 +49,7 @@ import cbor2
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from edgert.errors import EdgertError
+from edgert.transport.errors import CredentialError
 
 #: The URL scheme of protected CoAP over TCP.
 SCHEME = "coaps+tcp"
@@ -65,10 +65,6 @@ TOKEN_PREFIX = "edgert-credential:"
 OSCORE_LABEL = "EDGERT OSCORE"
 
 _PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.S)
-
-
-class CredentialError(EdgertError):
-    """A credential file is missing, unreadable, malformed or not a cluster credential."""
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgert.errors import EdgertError
+from edgert.coordinator.errors import AssignmentError
 from edgert.manifest import Manifest, TrainingConfig, needed_roles
 from edgert.protocol import MIGRATE, SELF, STAGE, Peers, StageAssignment
 from edgert.security.admission import StageSigning
 from edgert.transport import Envelope, TensorClient, TransportError
-
-
-class AssignmentError(EdgertError):
-    """A worker refused its stage, or state could not be moved."""
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from edgert.coordinator.assignment import AssignmentError, LinkSettings, assign, with_learning_rate
+from edgert.coordinator.assignment import LinkSettings, assign, with_learning_rate
 from edgert.coordinator.data import Batch, batches, load_training_data
+from edgert.coordinator.errors import AssignmentError, TrainingError, WorkerFailure
 from edgert.coordinator.evaluation import EvaluationMixin
 from edgert.coordinator.evaluator import Evaluator
-from edgert.coordinator.failures import CentralCopies, FailureWatch, WorkerFailure
+from edgert.coordinator.failures import CentralCopies, FailureWatch
 from edgert.coordinator.inputs import read_report
 from edgert.coordinator.ledger import HISTORY, StepLedger
 from edgert.coordinator.progress import Progress
@@ -37,7 +38,7 @@ from edgert.coordinator.recovery import RecoveryMixin
 from edgert.coordinator.replanning import ReplanMixin
 from edgert.coordinator.run_summary import RunSummary, count_events, summarise
 from edgert.coordinator.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
-from edgert.errors import EdgertError, TrainingError
+from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, Manifest, load_manifest
 from edgert.protocol import (
     BATCH,

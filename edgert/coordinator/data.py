@@ -12,12 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgert.errors import EdgertError
+from edgert.coordinator.errors import DataError
 from edgert.manifest import Manifest
-
-
-class DataError(EdgertError):
-    """The data set does not fit the plan."""
 
 
 def load_training_data(name: str, manifest: Manifest, seed: int = 0):

@@ -33,15 +33,6 @@ KEEP_SNAPSHOTS = 2
 CENTRAL_MAX_BYTES = 1 << 30  # the workers' copies the coordinator keeps in memory, every stage and version together
 
 
-class WorkerFailure(EdgertError):
-    """Workers stopped answering; training must recover without them."""
-
-    def __init__(self, urls: set[str], noticed_at: float):
-        super().__init__(f"worker(s) {', '.join(sorted(urls))} failed")
-        self.urls = set(urls)
-        self.noticed_at = noticed_at
-
-
 async def answers(client: TensorClient, url: str, timeout: float = 1.0) -> bool:
     """Whether ``url`` answers a health request in time (two tries)."""
     try:

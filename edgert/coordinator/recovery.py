@@ -15,20 +15,13 @@ import time
 from pathlib import Path
 
 from edgert.coordinator.assignment import assign
+from edgert.coordinator.errors import TrainingError, WorkerFailure
 from edgert.coordinator.evaluator import Evaluator
-from edgert.coordinator.failures import (
-    COORDINATOR,
-    WorkerFailure,
-    dead_among,
-    gather_holdings,
-    newest_snapshot,
-    sources_for,
-)
+from edgert.coordinator.failures import COORDINATOR, dead_among, gather_holdings, newest_snapshot, sources_for
 from edgert.coordinator.inputs import central_copy_origin, read_copy_query
-from edgert.errors import EdgertError, TrainingError
+from edgert.errors import EdgertError, ReplicaStoreFull
 from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.protocol import STOP
-from edgert.replica import ReplicaStoreFull
 from edgert.transport import BadRequest, Envelope, Request, TooLarge, TransportError
 from edgert.weights import StageState
 

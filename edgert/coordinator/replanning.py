@@ -13,9 +13,10 @@ import asyncio
 import time
 
 from edgert.coordinator.assignment import assign, migrate
+from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.evaluator import Evaluator
 from edgert.devices import save_devices
-from edgert.errors import EdgertError, TrainingError
+from edgert.errors import EdgertError
 from edgert.protocol import HEALTH, Health, JoinRequest, read_request
 from edgert.transport import BadRequest, Request, TransportError
 from edgert.transport.errors import Forbidden

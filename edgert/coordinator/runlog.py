@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.tracefile import TraceWriter
-from edgert.errors import TrainingError
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"

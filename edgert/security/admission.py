@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from edgert.errors import EdgertError
 from edgert.manifest import needed_roles
 from edgert.protocol import StageAssignment
-from edgert.security.onnx_scan import GraphRefused, scan_model
+from edgert.security.errors import AdmissionRefused
+from edgert.security.onnx_scan import scan_model
 from edgert.transport import Envelope
 from edgert.transport.tls import Revocations
 
@@ -33,10 +34,6 @@ SIGNATURE, CRL = "signature", "crl"  # meta fields not covered by the signature
 
 Signer = Callable[[bytes], bytes]
 """``sign(data) -> signature`` by the cluster key (host side: :meth:`Keystore.sign`)."""
-
-
-class AdmissionRefused(GraphRefused):
-    """A stage is not signed by the cluster, or its signature or revocation list does not verify."""
 
 
 def signed_bytes(envelope: Envelope) -> bytes:

@@ -29,8 +29,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from edgert.errors import EdgertError
 from edgert.security.admission import Admission, StageSigning
+from edgert.security.errors import KeystoreError
 from edgert.transport.oscore_keys import device_context
 from edgert.transport.tls import (
     COORDINATOR_ROLE,
@@ -63,10 +63,6 @@ class HostSecurity:
         crl = store.crl_pem
         Admission(tls.cluster_pem, tls.revocations).take_crl(crl)
         return cls(tls=tls, signing=StageSigning(store.sign, crl))
-
-
-class KeystoreError(EdgertError):
-    """The keystore is missing, already exists, or cannot do what was asked."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from edgert.errors import EdgertError
+from edgert.security.errors import GraphRefused
 
 #: Operator domains a stage may use: ONNX, ONNX-ML, ORT's contrib and training ops.
 ALLOWED_DOMAINS = frozenset({
@@ -32,10 +32,6 @@ _ATTR_TENSOR, _ATTR_GRAPH, _ATTR_TENSORS, _ATTR_GRAPHS, _ATTR_SPARSE, _ATTR_SPAR
 _TENSOR_NAME, _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 8, 13, 14
 _SPARSE_VALUES, _SPARSE_INDICES = 1, 2
 _FUNCTION_NODE = 7
-
-
-class GraphRefused(EdgertError):
-    """An ONNX file uses an operator domain or a feature the runtime does not accept."""
 
 
 @dataclass

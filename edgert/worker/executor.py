@@ -22,8 +22,9 @@ import numpy as np
 from edgert.protocol import StepReport
 from edgert.schedule import Computation, Key, MicroBatch, Schedule, Window, stage_actions
 from edgert.stage import StageSession
+from edgert.worker.errors import InboxSkipped
 from edgert.worker.gate import StepGate
-from edgert.worker.inbox import Inbox, InboxSkipped
+from edgert.worker.inbox import Inbox
 from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.worker.stage_timer import warm_up
 

@@ -14,27 +14,11 @@ from collections import deque
 from collections.abc import Hashable
 from typing import Any
 
-from edgert.errors import EdgertError
 from edgert.protocol import INBOX_CAPACITY
+from edgert.worker.errors import InboxAborted, InboxFull, InboxSkipped, InboxTimeout
 
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024  # tensor bytes held at once
 REMEMBERED_KEYS = 4096  # taken keys remembered to drop a retried delivery arriving late
-
-
-class InboxAborted(EdgertError):
-    """The run was stopped or failed while the compute thread was waiting."""
-
-
-class InboxTimeout(EdgertError):
-    """What the stage waited for did not arrive in time."""
-
-
-class InboxSkipped(EdgertError):
-    """The awaited micro-batch belongs to a step after the truncation point: it will not come."""
-
-
-class InboxFull(EdgertError):
-    """A peer sent more than the stage may hold (in-flight limit)."""
 
 
 class Inbox:

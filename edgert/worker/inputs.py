@@ -25,7 +25,7 @@ from edgert.schedule import MicroBatch
 from edgert.transport import BadRequest, Envelope, Request, ServiceUnavailable
 from edgert.transport.errors import Forbidden
 from edgert.transport.tls import PeerIdentity
-from edgert.worker.inbox import InboxFull
+from edgert.worker.errors import InboxFull
 
 
 def check_sender(path: str, stage: int, peers: Peers, identity: PeerIdentity | None) -> None:

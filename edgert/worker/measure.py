@@ -11,10 +11,10 @@ import dataclasses
 import os
 from pathlib import Path
 
-from edgert.errors import EdgertError
-from edgert.protocol import ProfileOptions, ProtocolError, StageAssignment, probe_target, read_request
+from edgert.errors import EdgertError, ProtocolError
+from edgert.protocol import ProfileOptions, StageAssignment, probe_target, read_request
 from edgert.security.admission import vet_stage_files
-from edgert.security.onnx_scan import GraphRefused
+from edgert.security.errors import GraphRefused
 from edgert.transport import BadRequest, Envelope, Request, TransportError
 from edgert.transport.errors import Forbidden
 from edgert.worker.stage_timer import measure_stage, probe_link

@@ -12,21 +12,15 @@ import asyncio
 import time
 
 import numpy as np
-from aiocoap.numbers.codes import Code
 
-from edgert.errors import EdgertError
+from edgert.errors import EdgertError, ReplicaStoreFull
 from edgert.protocol import SELF, WEIGHTS, MigrateRequest, MigrationSource, WeightsQuery, read_request
-from edgert.replica import ReplicaStoreFull, held_stages, holdings_to_meta
+from edgert.replica import held_stages, holdings_to_meta
 from edgert.stage import StageSession
-from edgert.transport import BadRequest, Envelope, Request, ResponseError, TooLarge, TransportError
+from edgert.transport import BadRequest, Envelope, Request, TooLarge, TransportError
 from edgert.transport.errors import Forbidden
 from edgert.weights import KIND, StageState
-
-
-class Busy(ResponseError):
-    """4.09: the request does not fit what the worker is doing now (state written while a segment runs)."""
-
-    code = Code.CONFLICT
+from edgert.worker.errors import Busy
 
 
 class StateResources:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgert.errors import EdgertError
+from edgert.errors import EdgertError, ProtocolError
 from edgert.manifest import needed_roles
 from edgert.protocol import (
     ACT,
@@ -44,7 +44,6 @@ from edgert.protocol import (
     Health,
     Hold,
     JoinRequest,
-    ProtocolError,
     Segment,
     StageAssignment,
     StepReport,
@@ -58,8 +57,8 @@ from edgert.protocol import (
 from edgert.providers import DEFAULT_PROVIDERS
 from edgert.replica import SELF_ORIGIN, CopyStore
 from edgert.schedule import Key, Window
-from edgert.security.admission import Admission, AdmissionRefused, vet_stage_files
-from edgert.security.onnx_scan import GraphRefused
+from edgert.security.admission import Admission, vet_stage_files
+from edgert.security.errors import AdmissionRefused, GraphRefused
 from edgert.stage import StageSession, Threads
 from edgert.transport import (
     BadRequest,
@@ -78,8 +77,9 @@ from edgert.transport.message import TEXT
 from edgert.transport.tls import COORDINATOR_ROLE, TlsCredentials
 from edgert.transport.urls import parse_url
 from edgert.weights import StageState
+from edgert.worker.errors import InboxAborted
 from edgert.worker.executor import StageExecutor
-from edgert.worker.inbox import Inbox, InboxAborted
+from edgert.worker.inbox import Inbox
 from edgert.worker.inputs import InputResources
 from edgert.worker.measure import MeasureResources
 from edgert.worker.outbox import Outbox

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import itertools
 
+from edgert.exporter.errors import PlanError
 from edgert.exporter.planner import costs
 from edgert.exporter.planner.costs import Stage, at_most
 from edgert.exporter.planner.placement import Placement, build_placement, explain_no_fit
-from edgert.exporter.planner.problem import PlanError, PlanProblem, check_problem
+from edgert.exporter.planner.problem import PlanProblem, check_problem
 
 
 def brute_force(problem: PlanProblem) -> Placement:

@@ -10,16 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edgert.exporter.errors import PlanError
 from edgert.exporter.planner import costs
 from edgert.exporter.planner.costs import Stage
-from edgert.exporter.planner.problem import (
-    PlanError,
-    PlanProblem,
-    check_problem,
-    in_flight,
-    stashes_activations,
-    stashes_weights,
-)
+from edgert.exporter.planner.problem import PlanProblem, check_problem, in_flight, stashes_activations, stashes_weights
 from edgert.schedule import simulate
 
 

@@ -10,14 +10,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from edgert.exporter.errors import ExportError
+from edgert.exporter.errors import PlanError
 from edgert.schedule import SCHEDULES
 
 DEFAULT_CODECS = {"none": 1.0, "fp16": 2.0, "int8": 4.0}
-
-
-class PlanError(ExportError):
-    """No placement exists (nothing fits in memory), or the planning problem is malformed."""
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgert.devices import DevicesFile, load_devices
+from edgert.devices import DeviceProfile, DevicesFile, load_devices
 from edgert.exporter.analyse import ModelAnalysis
+from edgert.exporter.errors import PredictorError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.normalise import frozen_in
 from edgert.exporter.predictor.features import block_features
-from edgert.exporter.predictor.latency import LatencyPredictor, PredictorError, join_features
+from edgert.exporter.predictor.latency import LatencyPredictor, join_features
 from edgert.exporter.predictor.observations import observations_from_devices
 from edgert.exporter.source import SOURCE_FILE, load_plan_source
 from edgert.manifest import Manifest
@@ -249,7 +250,6 @@ class Replanner:
         One at a time, so workers that share a host's cores do not disturb each other's times.
         """
         from edgert.coordinator.profiling import export_profile_plans, profile_device, unit_names
-        from edgert.devices import DevicesFile
 
         if self._profile_plans is None:
             self._profile_plans = export_profile_plans(self._source_path, scratch, self.training)
@@ -257,13 +257,17 @@ class Replanner:
         profiles = [await profile_device(client, plans, url, name, self.micro_batch, repeats,
                                          memory_mode=self.memory_mode, signing=signing)
                     for url, name in workers.items()]
+        self.use_profiles(profiles, tuple(unit_names(plans.units)))
+
+    def use_profiles(self, profiles: list[DeviceProfile], blocks: tuple[str, ...]) -> None:
+        """Cost the devices of ``profiles`` (timed on the units ``blocks``) by them from now on."""
         known = {d.name: d for d in (self.devices.devices if self.devices else ())}
         known.update({p.name: p for p in profiles})
-        self.devices = DevicesFile(model_sha256=self.source.sha256, blocks=tuple(unit_names(plans.units)),
+        self.devices = DevicesFile(model_sha256=self.source.sha256, blocks=blocks,
                                    micro_batch=self.micro_batch, memory_mode=self.memory_mode,
             devices=tuple(known.values()), links=self.devices.links if self.devices else ())
-        for name in workers.values():
-            self._factor.pop(name, None)  # measured now: no correction learnt against the old baseline
+        for profile in profiles:
+            self._factor.pop(profile.name, None)  # measured now: no correction learnt against the old baseline
         self._fit_predictor()
 
     def record_pause(self, seconds: float) -> None:
@@ -361,7 +365,8 @@ class Replanner:
     def _current_ms(self, manifest: Manifest, workers: list[str] | None, candidates: list[str]) -> float:
         """The predicted step time of ``manifest``'s stages on ``workers``; infinite when no placement runs,
         or when it no longer fits (a worker left)."""
-        from edgert.exporter.planner.solver import PlanError, evaluate
+        from edgert.exporter.errors import PlanError
+        from edgert.exporter.planner.solver import evaluate
 
         if workers is None or len(workers) != len(manifest.stages):
             return float("inf")

@@ -1,15 +1,4 @@
-"""The planner: cuts, device order, data-parallel groups, threads and link codecs, as a pure function.
-
-Map (docs/PLANNER.md):
-
-- ``problem.py``    :class:`PlanProblem` (:class:`Unit`, :class:`DeviceCosts`), checks, :class:`PlanError`
-- ``costs.py``      the cost model of one stage or link (the reference)
-- ``tables.py``     the same model as numpy tables over unit ranges
-- ``dp.py``         :class:`OrderDP`: the exact DP for one device order
-- ``bounds.py``     lower bounds that prune the order search
-- ``search.py``     all orders up to 7 devices (6 with groups), beam and local search beyond
-- ``placement.py``  :class:`Placement`, :class:`StagePlan`, :func:`evaluate` (any given stages)
-- ``brute.py``      :func:`brute_force`, the exhaustive reference for tests
+"""The planner's entry point: cuts, device order, data-parallel groups, threads and link codecs, as a pure function.
 
 :func:`plan` minimises the bottleneck (the slowest stage or link per micro-batch), then,
 among plans with that bottleneck, the latency (sum of stage and link times).
@@ -20,11 +9,12 @@ from __future__ import annotations
 import math
 import random
 
+from edgert.exporter.errors import PlanError
 from edgert.exporter.planner.brute import brute_force
 from edgert.exporter.planner.costs import RELATIVE_TOLERANCE
 from edgert.exporter.planner.dp import OrderDP
 from edgert.exporter.planner.placement import Placement, StagePlan, build_placement, evaluate, explain_no_fit
-from edgert.exporter.planner.problem import DeviceCosts, PlanError, PlanProblem, Unit, check_problem, in_flight
+from edgert.exporter.planner.problem import DeviceCosts, PlanProblem, Unit, check_problem, in_flight
 from edgert.exporter.planner.search import (
     EXACT_DEVICES,
     EXACT_DEVICES_WITH_GROUPS,
@@ -44,7 +34,7 @@ SEARCH_STARTS = 2  # local searches run, from the best of the speed, memory and 
 RESTART_LAYERS = 20_000  # more local searches, from shuffled orders, while fewer DP layers were built
 STALE_RESTARTS = 8  # restarts in a row that found nothing better end them
 
-__all__ = ["DeviceCosts", "PlanError", "PlanProblem", "Placement", "StagePlan", "Unit", "brute_force", "evaluate",
+__all__ = ["DeviceCosts", "PlanProblem", "Placement", "StagePlan", "Unit", "brute_force", "evaluate",
            "in_flight", "memory_order", "plan", "speed_order"]
 
 

@@ -14,17 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgert.exporter.errors import ExportError
+from edgert.exporter.errors import PredictorError
 
 if TYPE_CHECKING:  # featurising needs onnx; predicting and learning online do not (the coordinator)
     import onnx
 
     from edgert.exporter.analyse import ModelAnalysis
     from edgert.exporter.flops import ShapeOf
-
-
-class PredictorError(ExportError):
-    """Bad input to the latency predictor: unknown device, empty profile, malformed file."""
 
 
 CATEGORIES = ("conv", "dwconv", "matmul", "elementwise", "norm", "pool", "reduce", "gather", "movement")

@@ -7,15 +7,6 @@ micro-batch. A device is its own rates: ``rates = base * exp(a + b)``, where ``b
 fitted offline from profiles (population rates for an unseen device, scaled by a
 calibration factor) and ``(a, b)`` (a log speed and log per-column corrections) is learnt
 online by an extended Kalman filter on measured stage times.
-
-Map of the predictor files:
-
-- ``predictor.py``           :class:`Observation`, :class:`LatencyPredictor`, :func:`save_predictor`,
-                             :func:`load_predictor`, :func:`mape`, :func:`nnls`
-- ``exporter/predictor/features.py``  :class:`Features`, :func:`block_features`, :func:`stage_features`,
-                             :func:`join_features`, :func:`design_row`
-- ``exporter/predictor/observations.py``  measuring observations through the real runtime, devices.json
-- ``models/calibration.py``    extra models to fit on, besides the zoo
 """
 
 from __future__ import annotations
@@ -28,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from edgert.exporter.errors import PredictorError
 from edgert.exporter.predictor.features import (
     COLUMNS,
     Features,
-    PredictorError,
     block_features,
     design_row,
     feature_matrix,
@@ -40,7 +31,7 @@ from edgert.exporter.predictor.features import (
 )
 
 __all__ = [
-    "Features", "LatencyPredictor", "Observation", "OnlineSettings", "PredictorError", "block_features",
+    "Features", "LatencyPredictor", "Observation", "OnlineSettings", "block_features",
     "design_row", "join_features", "load_predictor", "mape", "nnls", "save_predictor", "stage_features",
 ]
 

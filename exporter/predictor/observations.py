@@ -21,8 +21,9 @@ import onnx
 
 from edgert.devices import DevicesFile
 from edgert.exporter.analyse import ModelAnalysis
+from edgert.exporter.errors import PredictorError
 from edgert.exporter.export import ExportOptions, choose_cuts, prepare_analysis, write_plan
-from edgert.exporter.predictor.features import Features, PredictorError, block_features, join_features
+from edgert.exporter.predictor.features import Features, block_features, join_features
 from edgert.exporter.predictor.latency import Observation
 from edgert.exporter.slice import stage_ranges
 from edgert.exporter.source import from_model_proto

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from edgert.exporter.errors import PlanError
 from edgert.exporter.planner.costs import memory_bytes
-from edgert.exporter.planner.solver import PlanError, brute_force, evaluate, plan
+from edgert.exporter.planner.solver import brute_force, evaluate, plan
 from tests.planner.planner_instances import random_problem, uniform_problem
 
 

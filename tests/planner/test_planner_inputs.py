@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from edgert.exporter.planner.solver import PlanError, brute_force, plan
+from edgert.exporter.errors import PlanError
+from edgert.exporter.planner.solver import brute_force, plan
 from tests.planner.planner_instances import uniform_problem
 
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from edgert.exporter.errors import ExportError
+from edgert.exporter.errors import ExportError, PlanError
 from edgert.exporter.planner.costs import memory_bytes
-from edgert.exporter.planner.solver import DeviceCosts, PlanError, PlanProblem, Unit, evaluate, in_flight, plan
+from edgert.exporter.planner.solver import DeviceCosts, PlanProblem, Unit, evaluate, in_flight, plan
 from edgert.schedule import max_in_flight, stage_actions
 from tests.planner.planner_instances import MIB, full_matrix, random_problem, uniform_problem
 

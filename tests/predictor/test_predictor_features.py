@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+from edgert.exporter.errors import PredictorError
 from edgert.exporter.export import ExportOptions, prepare_analysis
 from edgert.exporter.predictor.features import CATEGORIES, COLUMNS, design_row
-from edgert.exporter.predictor.latency import Features, PredictorError, block_features, join_features, stage_features
+from edgert.exporter.predictor.latency import Features, block_features, join_features, stage_features
 from edgert.exporter.source import from_model_proto
 from edgert.models import build_model
 

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile
-from edgert.exporter.predictor.latency import LatencyPredictor, PredictorError, mape
+from edgert.exporter.errors import PredictorError
+from edgert.exporter.predictor.latency import LatencyPredictor, mape
 from edgert.exporter.predictor.observations import DeviceSetup, observations_from_devices, profile_models
 from edgert.models import build_model, list_models
-from edgert.models.calibration import EXTRA_MODELS
+from edgert.models.fitting_set import EXTRA_MODELS
 
 # The full evaluation (tools/eval_predictor.py: 4 devices, 3 micro-batches, 6 passes) measures
 # about 11-12% on this 2-core host; one device, two passes and a busy CI host get 25%.

@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 
+from edgert.exporter.errors import PredictorError
 from edgert.exporter.predictor.features import CATEGORIES, COLUMNS
 from edgert.exporter.predictor.latency import (
     Features,
     LatencyPredictor,
     Observation,
-    PredictorError,
     design_row,
     load_predictor,
     mape,

@@ -6,9 +6,9 @@ import pytest
 from click.testing import CliRunner
 
 from edgert.cli import main
-from edgert.errors import MissingDependencyError
+from edgert.errors import MissingDependencyError, ProviderError
 from edgert.ort_import import _check_one_distribution
-from edgert.providers import ProviderError, check_available, parse_providers
+from edgert.providers import check_available, parse_providers
 
 
 def test_two_onnxruntime_distributions_are_refused_with_the_repair(monkeypatch):

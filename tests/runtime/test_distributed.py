@@ -10,7 +10,8 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from edgert.coordinator.coordinator import TrainConfig, TrainingError, train
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.evaluator import Evaluator
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics

@@ -13,11 +13,11 @@ import tracemalloc
 import pytest
 
 from edgert.cli.runtime import print_summary
+from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.ledger import StepLedger
 from edgert.coordinator.run_summary import RunSummary, summarise
 from edgert.coordinator.runlog import RunLog, claim_run_folder, new_run_folder, read_metrics
 from edgert.coordinator.tracefile import read_trace
-from edgert.errors import TrainingError
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.models import build_model, save_model
 from edgert.protocol import StepReport

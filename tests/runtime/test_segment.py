@@ -5,7 +5,8 @@ import pytest
 
 from edgert.coordinator.coordinator import next_segment
 from edgert.coordinator.data import Batch
-from edgert.protocol import MAX_SEGMENT_STEPS, ProtocolError, Segment
+from edgert.errors import ProtocolError
+from edgert.protocol import MAX_SEGMENT_STEPS, Segment
 from edgert.transport import Envelope
 from edgert.transport.envelope import decode_envelope, encode_envelope
 

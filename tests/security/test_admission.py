@@ -8,12 +8,14 @@ import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 from onnx import TensorProto, helper
 
-from edgert.security.admission import Admission, AdmissionRefused, StageSigning
+from edgert.security.admission import Admission, StageSigning
+from edgert.security.errors import AdmissionRefused, GraphRefused
 from edgert.security.keystore import Keystore
-from edgert.security.onnx_scan import GraphRefused, scan_model
+from edgert.security.onnx_scan import scan_model
 from edgert.transport import Envelope
 from edgert.transport.tls import Revocations
-from edgert.worker.inbox import Inbox, InboxFull
+from edgert.worker.errors import InboxFull
+from edgert.worker.inbox import Inbox
 
 
 def _stage() -> Envelope:

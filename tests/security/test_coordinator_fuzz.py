@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from edgert.coordinator.coordinator import TrainConfig
 from edgert.coordinator.localcluster import LocalCluster
+from edgert.errors import ProtocolError
 from edgert.manifest import load_manifest
-from edgert.protocol import ProtocolError, StageReports, StepReport, reports_to_envelope
+from edgert.protocol import StageReports, StepReport, reports_to_envelope
 from edgert.transport import ClientConfig, TensorClient
 from tests.fuzz_bodies import BODY_KINDS, METHODS, broken, envelope_bytes, generic_body, misrouted
 from tests.running_coordinator import RunningCoordinator, final_parameters

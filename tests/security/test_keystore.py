@@ -10,8 +10,10 @@ from click.testing import CliRunner
 from cryptography import x509
 
 from edgert.cli import main
-from edgert.security.keystore import Keystore, KeystoreError
-from edgert.transport.tls import CredentialError, TlsCredentials, credential_from_token, credential_token
+from edgert.security.errors import KeystoreError
+from edgert.security.keystore import Keystore
+from edgert.transport.errors import CredentialError
+from edgert.transport.tls import TlsCredentials, credential_from_token, credential_token
 
 
 def test_enrolled_credential_names_the_device_and_is_private(tmp_path):

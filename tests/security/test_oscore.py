@@ -15,9 +15,9 @@ from aiocoap.numbers.codes import Code
 
 from edgert.security.keystore import HostSecurity, Keystore, local_cluster_keys
 from edgert.transport import Envelope, PeerUnreachable, TensorClient, TensorServer
-from edgert.transport.errors import Forbidden, Unauthorized
+from edgert.transport.errors import CredentialError, Forbidden, Unauthorized
 from edgert.transport.oscore_keys import OscoreKeys, state_dir
-from edgert.transport.tls import OSCORE_LABEL, CredentialError, TlsCredentials
+from edgert.transport.tls import OSCORE_LABEL, TlsCredentials
 
 MARKER = "plaintext-marker-7f3a"
 

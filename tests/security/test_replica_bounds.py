@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from edgert.coordinator.localcluster import LocalCluster
+from edgert.errors import ReplicaStoreFull
 from edgert.manifest import load_manifest
 from edgert.protocol import REPLICA, RUN, STAGE, Peers, Segment, StageAssignment
-from edgert.replica import SELF_ORIGIN, CopyStore, ReplicaStoreFull, holdings_from_meta
+from edgert.replica import SELF_ORIGIN, CopyStore, holdings_from_meta
 from edgert.security.admission import StageSigning
 from edgert.transport import ClientConfig, Envelope, SyncClient
 from edgert.transport.limits import MiB
