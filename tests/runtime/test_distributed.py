@@ -11,7 +11,7 @@ import onnxruntime
 import pytest
 
 from edgert.coordinator.coordinator import TrainConfig, TrainingError, train
-from edgert.coordinator.evaluator import Evaluator
+from edgert.coordinator.evaluation import Evaluator
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
 from edgert.errors import EdgertError
