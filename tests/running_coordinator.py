@@ -40,8 +40,8 @@ class RunningCoordinator:
         deadline = time.monotonic() + timeout
         coordinator = self.coordinator
         while time.monotonic() < deadline and self.thread.is_alive():
-            ledger = coordinator.ledger
-            if ledger is not None and ledger.completed_through >= 0 and coordinator._announced_through >= announced:
+            ledger, state = coordinator.ledger, coordinator.state
+            if ledger is not None and ledger.completed_through >= 0 and state.announced_through >= announced:
                 return coordinator.server.urls[0]
             time.sleep(0.02)
         raise AssertionError(f"the coordinator did not start training: {self.result.get('error')}")

@@ -1,4 +1,4 @@
-"""``edgert train``: the central node. Assigns stages, streams data, records, re-plans.
+"""``edgert train``: the central node's run loop. Assigns stages, streams data, records.
 
 The coordinator never carries activations or gradients: it sends each worker its stage,
 tells every worker which steps to run under which schedule (``/run``), posts each step's
@@ -6,7 +6,8 @@ inputs to the first stage and labels to the last (``/batch``), and receives one 
 stage per optimizer step on its own ``/report`` resource. At each epoch's end it fetches
 every stage's state, keeps it as the checkpoint, and evaluates it on the test set. With
 re-planning on, it watches the stages' times and moves the cuts at a step boundary when
-a new plan pays for its pause (edgert.coordinator.assignment, edgert.exporter.planner.replanner).
+a new plan pays for its pause (edgert/coordinator/replanning.py); when a worker fails it rolls
+back to the newest snapshot on the workers left (edgert/coordinator/recovery.py).
 """
 
 from __future__ import annotations
@@ -18,68 +19,33 @@ import logging
 import shutil
 import socket
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from edgert.coordinator.assignment import LinkSettings, assign, with_learning_rate
 from edgert.coordinator.data import Batch, batches, load_training_data
 from edgert.coordinator.errors import AssignmentError, TrainingError, WorkerFailure
-from edgert.coordinator.evaluation import EvaluationMixin
-from edgert.coordinator.evaluator import Evaluator
-from edgert.coordinator.failures import CentralCopies, FailureWatch
+from edgert.coordinator.evaluation import Evaluation
+from edgert.coordinator.failures import FailureDetector
 from edgert.coordinator.inputs import read_report
 from edgert.coordinator.ledger import HISTORY, StepLedger
 from edgert.coordinator.progress import Progress
-from edgert.coordinator.recovery import RecoveryMixin
-from edgert.coordinator.replanning import ReplanMixin
-from edgert.coordinator.run_summary import RunSummary, count_events, summarise
+from edgert.coordinator.recovery import Recovery
+from edgert.coordinator.replanning import Replanning
+from edgert.coordinator.run_state import RunState
+from edgert.coordinator.run_summary import RunSummary, summarise
 from edgert.coordinator.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
+from edgert.coordinator.segments import SegmentRunner, next_segment
+from edgert.coordinator.snapshots import CentralCopies
 from edgert.errors import EdgertError
-from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, Manifest, load_manifest
-from edgert.protocol import (
-    BATCH,
-    HEALTH,
-    INBOX_CAPACITY,
-    JOIN,
-    MAX_SEGMENT_STEPS,
-    REPLICA,
-    REPORT,
-    RUN,
-    STOP,
-    WEIGHTS,
-    Health,
-    Segment,
-    hold_envelope,
-    truncate_envelope,
-)
-from edgert.schedule import SCHEDULES, steps_ahead
-from edgert.transport import ClientConfig, Envelope, Request, TensorClient, TensorServer, TransportError
+from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, load_manifest
+from edgert.protocol import HEALTH, REPORT, STOP, Health
+from edgert.schedule import SCHEDULES
+from edgert.transport import ClientConfig, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.urls import parse_url
-from edgert.weights import StageState
 
 log = logging.getLogger("edgert.coordinator.coordinator")
-
-SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
-
-
-def next_segment(plan: list[Batch], schedule: str, forced: set[int]) -> tuple[list[Batch], bool]:
-    """The plan's first segment and whether it ends an epoch: an epoch (under ``async``, every epoch
-    left), cut before every ``forced`` re-plan step and after ``MAX_SEGMENT_STEPS`` steps.
-
-    An ``async`` segment runs on across epoch ends: each is evaluated from the copies the
-    stages send after its last step (edgert/coordinator/evaluation.py).
-    """
-    for k, batch in enumerate(plan):
-        following = plan[k + 1] if k + 1 < len(plan) else None
-        ends_epoch = following is None or following.epoch != batch.epoch
-        if following is None or (ends_epoch and schedule != "async") or k + 1 == MAX_SEGMENT_STEPS \
-                or following.step in forced:
-            return plan[:k + 1], ends_epoch
-    return plan, True
 
 
 @dataclass(frozen=True)
@@ -121,26 +87,35 @@ class TrainConfig:
     keys: Path | None = None  # the cluster keystore (edgert keys init); None: plaintext (--insecure)
 
 
-class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
-    """Runs one training job over a set of workers."""
+class Coordinator:
+    """Runs one training job over a set of workers: the run loop, and the parts it wires together.
+
+    The parts own their state and are handed what they need: :class:`SegmentRunner` (feeding
+    one segment of steps), :class:`FailureDetector` (which workers failed), :class:`Evaluation`
+    (epoch ends, checkpoints), :class:`Replanning` (when and where the cuts move, workers
+    joining), :class:`Recovery` (rolling back after a failure, the coordinator's copies). What
+    they share is a :class:`RunState`; each serves the resources whose state it owns (the
+    coordinator itself ``/report``, which feeds the ledger). The parts are made when the run
+    opens its folder (:meth:`run`), as are its log and ledger.
+    """
 
     def __init__(self, config: TrainConfig):
         self.config = config
         self._check_config()
         if not config.resume:  # before anything is loaded: a folder holding another run is refused at once
             claim_run_folder(config.out_dir, config.overwrite)
-        self.plan_dir = config.plan_dir
-        self.manifest: Manifest = load_manifest(config.plan_dir)
-        if len(config.workers) != len(self.manifest.stages) and not config.resume:
-            raise TrainingError(f"the plan has {len(self.manifest.stages)} stages but {len(config.workers)} "
+        manifest = load_manifest(config.plan_dir)
+        if len(config.workers) != len(manifest.stages) and not config.resume:
+            raise TrainingError(f"the plan has {len(manifest.stages)} stages but {len(config.workers)} "
                                 f"worker(s) were given; give one --workers URL per stage")
         if config.resume:
             saved = read_run_file(config.out_dir)
             # a run folder written before runs had their own ids is named by its folder
-            self.run_id, self.started = str(saved.get("run_id") or config.out_dir.name), saved.get("started")
+            run_id, self.started = str(saved.get("run_id") or config.out_dir.name), saved.get("started")
         else:
-            self.run_id, self.started = new_run_id(), time.time()
-        self.dataset = load_training_data(config.data, self.manifest, config.seed)
+            run_id, self.started = new_run_id(), time.time()
+        self.state = RunState(run_id, manifest, config.plan_dir, list(config.workers))
+        self.dataset = load_training_data(config.data, manifest, config.seed)
         self.security = None
         if config.keys is not None:
             from edgert.security.keystore import HostSecurity  # host side only
@@ -151,29 +126,14 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                                    tls=tls)
         self.server = TensorServer(config.listen, tls=tls)
         self.server.add_resource(REPORT, post=self._on_report, rt="edgert.report", kinds=("report",))
-        self.server.add_resource(REPLICA, put=self._on_replica, rt="edgert.replica", kinds=("weights",))
-        self.server.add_resource(JOIN, post=self._on_join, rt="edgert.join", kinds=("control",))
-        self.server.add_resource(WEIGHTS, fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("control",))
-        self.central = CentralCopies(config.out_dir / "snapshots")
-        self.watch: FailureWatch | None = None
-        self._failed: dict[str, float] = {}  # failed worker URL -> when it was noticed (monotonic), until recovered
-        self._recoveries = 0
-        self._membership_changed = False
-        self._recheck_after_replan = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later
-        self.order: list[str] = list(config.workers)  # worker URL of each stage
-        self.names: list[str] = []
-        self._announced_through = -1  # the last step of the segments sent to the workers (copies come after)
-        self.known: dict[str, str] = {}  # worker URL -> name
         self.log: RunLog | None = None
         self.ledger: StepLedger | None = None
-        self.replanner = None
-        self.replans = 0
-        if config.resume:  # plans/plan<N> and plans/recovery<N> go on from the run's earlier processes
-            self.replans, self._recoveries = count_events(config.out_dir, "replan", "recovery")
+        self.failures: FailureDetector | None = None
+        self.evaluation: Evaluation | None = None
+        self.replanning: Replanning | None = None
+        self.recovery: Recovery | None = None
+        self._segments: SegmentRunner | None = None
         self._progress: Progress | None = None
-        self._settings: LinkSettings | None = None
-        self._evaluator: Evaluator | None = None
-        self._init_evaluation()
 
     def _check_config(self) -> None:
         config = self.config
@@ -196,39 +156,60 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         if config.replan not in ("off", "auto"):
             raise TrainingError(f"--replan must be off or auto (got {config.replan!r})")
 
+    @property
+    def run_id(self) -> str:
+        """The run's id, known from construction on."""
+        return self.state.run_id
+
     # -- the run -----------------------------------------------------------------------------
 
     async def run(self) -> RunSummary:
         """Connect, assign, train, evaluate; always releases the workers."""
-        self.log = RunLog(self.config.out_dir, self.started)
-        self.ledger = StepLedger(self.log, self._show_step, history=max(HISTORY, self.config.replan_every))
+        config = self.config
+        plan = list(batches(len(self.dataset.x_train), config.batch_size, config.epochs, config.seed, config.steps))
+        self._open(len(plan))
         try:
             await self.server.start()
             await self._connect_workers()
             self._write_run_files()
-            if self.config.replan == "auto" or self.config.replan_at or self._fault_tolerant:
-                self.replanner = self._make_replanner()
-                if self.config.devices is None:
-                    await self._profile_workers(dict(self.known))
-            if self.config.resume:
+            if config.replan == "auto" or config.replan_at or self._fault_tolerant:
+                await self.replanning.start()
+            if config.resume:
                 self._prepare_settings()
-                start = await self._resume_from_snapshot()
+                start = await self.recovery.resume()
             else:
                 await self._assign_stages()
                 start = 0
-            self.watch = FailureWatch(self.client, self._on_worker_failure)
-            self.watch.watch(list(self.known))
-            await self._train(start)
+            self.failures.start_watching()
+            await self._train(plan, start)
             return self._summary()
         finally:
-            if self.watch is not None:
-                await self.watch.close()
+            await self.failures.close()
             await self._release_workers()
-            if self._progress is not None:
-                self._progress.close()
+            self._progress.close()
             self.log.close()
             await self.server.shutdown()
             await self.client.close()
+
+    def _open(self, steps: int) -> None:
+        """Open the run's records (metrics, trace, progress) and make the parts that keep them."""
+        config, state = self.config, self.state
+        self.log = RunLog(config.out_dir, self.started)
+        self.ledger = StepLedger(self.log, self._show_step, history=max(HISTORY, config.replan_every))
+        self._progress = Progress(steps, enabled=config.progress)
+        central = CentralCopies(config.out_dir / "snapshots")
+        self.failures = FailureDetector(state, self.client, self.ledger, self.log, config.step_timeout)
+        self.evaluation = Evaluation(config.out_dir, state, self.client, self.log, self.dataset, central,
+                                     self._progress)
+        self.replanning = Replanning(config, state, self.client, self.log, self.ledger, self.failures,
+                                     self.evaluation, self._progress,
+                                     signing=None if self.security is None else self.security.signing)
+        self.recovery = Recovery(config.out_dir, config.resume, state, self.client, self.log, self.ledger,
+                                 self.failures, self.replanning, self.evaluation, central, self._progress)
+        self.recovery.serve(self.server)
+        self.replanning.serve(self.server)
+        self._segments = SegmentRunner(config, state, self.client, self.ledger, self.dataset, self.failures,
+                                       self.replanning, self.evaluation)
 
     async def _connect_workers(self) -> None:
         async def probe(url: str) -> Health:
@@ -238,10 +219,11 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
             except (TransportError, OSError, EdgertError) as error:
                 raise TrainingError(f"worker {url} is not reachable: {error}") from None
 
+        state = self.state
         healths = await asyncio.gather(*(probe(url) for url in self.config.workers))
-        self.known = {url: h.name for url, h in zip(self.config.workers, healths)}
-        self.names = [self.known[url] for url in self.order]
-        log.info("workers: %s", ", ".join(f"{n} ({u})" for u, n in self.known.items()))
+        state.known = {url: h.name for url, h in zip(self.config.workers, healths)}
+        state.names = [state.known[url] for url in state.order]
+        log.info("workers: %s", ", ".join(f"{n} ({u})" for u, n in state.known.items()))
 
     def _write_run_files(self) -> None:
         plan_copy = self.config.out_dir / "plan"
@@ -253,8 +235,8 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                 shutil.copyfile(source, plan_copy / "source.onnx")
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self.config).items()}
         self.log.write_json(RUN_FILE, {"run_id": self.run_id, "started": self.log.started, "config": config,
-                                       "workers": self.names, "plan": str(self.config.plan_dir.resolve()),
-                                       "stages": len(self.manifest.stages)})
+                                       "workers": self.state.names, "plan": str(self.config.plan_dir.resolve()),
+                                       "stages": len(self.state.manifest.stages)})
 
     @property
     def _fault_tolerant(self) -> bool:
@@ -264,9 +246,9 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
         """What every stage assignment of this run carries."""
         scheme, _, port = parse_url(self.server.urls[0])
         host = self.config.advertise or _local_address_towards(self.config.workers[0])
-        self._settings = LinkSettings(
+        self.state.settings = LinkSettings(
             run_id=self.run_id, coordinator_url=f"{scheme}://{host}:{port}",
-            training=with_learning_rate(self.manifest.training, self.config.learning_rate),
+            training=with_learning_rate(self.state.manifest.training, self.config.learning_rate),
             forward_codec=self.config.forward_codec, backward_codec=self.config.backward_codec,
             forward_threads=self.config.forward_threads, backward_threads=self.config.backward_threads,
             wait_timeout=self.config.step_timeout, memory_mode=self.config.memory_mode,
@@ -275,14 +257,15 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
 
     async def _assign_stages(self) -> None:
         self._prepare_settings()
+        state = self.state
         started = time.perf_counter()
         try:
-            await assign(self.client, self.manifest, self.plan_dir, self.order, self.names, self._settings)
+            await assign(self.client, state.manifest, state.plan_dir, state.order, state.names, state.settings)
         except EdgertError as error:
             raise TrainingError(str(error)) from None
-        self.ledger.configure(self.names)
-        self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=self.names,
-                       cuts=list(self.manifest.cuts))
+        self.ledger.configure(state.names)
+        self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=state.names,
+                       cuts=list(state.manifest.cuts))
 
     async def _release_workers(self) -> None:
         async def stop(url: str) -> None:
@@ -291,18 +274,18 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
             except (TransportError, OSError):
                 pass
 
-        if self.known:
-            await asyncio.gather(*(stop(url) for url in self.known))
+        if self.state.known:
+            await asyncio.gather(*(stop(url) for url in self.state.known))
 
     # -- training ----------------------------------------------------------------------------
 
-    async def _train(self, start_step: int = 0) -> None:
+    async def _train(self, plan: list[Batch], start_step: int = 0) -> None:
+        """Run ``plan``'s steps from ``start_step`` on, in segments; evaluate at epoch ends, re-plan when
+        asked to, recover from failures."""
         config = self.config
-        plan = list(batches(len(self.dataset.x_train), config.batch_size, config.epochs, config.seed, config.steps))
         if not plan:
             raise TrainingError("no training step to run: the data set is smaller than one batch")
-        self._progress = Progress(len(plan), enabled=config.progress)
-        self._evaluator = Evaluator(self.plan_dir, self.manifest)
+        self.evaluation.use_plan(self.state.plan_dir, self.state.manifest)
         position = next((k for k, batch in enumerate(plan) if batch.step >= start_step), len(plan))
         forced = {step for step, _ in config.replan_at}
         while position < len(plan):
@@ -311,7 +294,7 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                 while chunk:
                     started = self.ledger.begin_segment()
                     try:
-                        done = await self._run_segment(chunk, final=position + len(chunk) == len(plan))
+                        done = await self._segments.run(chunk, final=position + len(chunk) == len(plan))
                     finally:  # the time training took, also when a failure cut the segment short
                         self.log.record("segment", first_step=chunk[0].step, started_s=started,
                                         seconds=round(self.log.elapsed() - started, 6))
@@ -319,105 +302,20 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
                     chunk = chunk[done:]
                     self.ledger.reset_timing()
                 if ends_epoch:
-                    await self._evaluate(plan[position - 1].epoch, plan[position - 1].step)
+                    await self.evaluation.evaluate(plan[position - 1].epoch, plan[position - 1].step)
                 if position < len(plan) and plan[position].step in dict(config.replan_at):
-                    await self._forced_replan(plan[position].step)
+                    await self.replanning.forced(plan[position].step)
             except (WorkerFailure, TransportError, AssignmentError) as error:
-                failure = await self._as_failure(error)
+                failure = await self.failures.as_failure(error)
                 if not self._fault_tolerant:
                     raise TrainingError(f"{failure} (fault tolerance is off: --replicate-every 0)") from None
-                resume = await self._recover(failure)
+                resume = await self.recovery.recover(failure)
                 position = next((k for k, batch in enumerate(plan) if batch.step == resume), len(plan))
             self.ledger.reset_timing()
-        await self._settle_evaluations()
-
-    async def _run_segment(self, plan: list[Batch], final: bool = False) -> int:
-        """Run these steps, feeding them ``lookahead`` steps ahead; returns how many ran.
-
-        With re-planning on, every ``replan_every`` completed steps the current placement is
-        checked while the pipeline keeps going; a re-plan cuts the segment at the last step
-        whose data was sent, drains, moves the cuts, and returns early. While the segment
-        drains (unless it is the ``final`` one) the checks go on, and a re-plan waits for it.
-        """
-        config = self.config
-        stages = len(self.manifest.stages)
-        epoch_ends = {batch.step: batch.epoch for batch, following in zip(plan, plan[1:])
-                      if batch.epoch != following.epoch}
-        segment = Segment(config.schedule, stages, plan[0].step, len(plan), config.batch_size, config.micro_batches,
-                          checkpoint_steps=tuple(sorted(epoch_ends)))
-        self._expect_checkpoints(epoch_ends)
-        for batch in plan:
-            self.ledger.expect(batch.step, batch.epoch, len(batch.indices))
-        envelope = segment.to_envelope(self.run_id)
-        self._announced_through = max(self._announced_through, segment.last_step)
-        await asyncio.gather(*(self.client.send(url, RUN, envelope) for url in self.order))
-        ahead = steps_ahead(config.schedule, stages, config.micro_batches, config.lookahead, INBOX_CAPACITY)
-        in_flight: deque[int] = deque()
-        since_check = 0
-
-        async def settle(step: int):
-            """Wait for ``step``; then, when due, a better placement or None."""
-            nonlocal since_check
-            await self._wait_step(step)
-            since_check += 1
-            auto = config.replan == "auto"
-            shifted = auto and self.ledger.speed_changed()
-            # right after a re-plan, the new placement's own times (not the old ones) are checked soon
-            recheck = auto and self._recheck_after_replan and since_check > SHIFT_WINDOW
-            if (auto and since_check >= config.replan_every) or shifted or recheck or self._membership_changed:
-                since_check, self._membership_changed, self._recheck_after_replan = 0, False, False
-                quick = shifted or recheck
-                return await self._check_placement(window=SHIFT_WINDOW if quick else config.replan_every)
-            return None
-
-        for batch in plan:
-            while len(in_flight) >= ahead:
-                proposal = await settle(in_flight.popleft())
-                if proposal is not None:
-                    return await self._replan_now(proposal, plan, in_flight)
-            await self._send_batch(batch)
-            in_flight.append(batch.step)
-        while in_flight:
-            step = in_flight.popleft()
-            if final:
-                await self._wait_step(step)
-                continue
-            proposal = await settle(step)
-            if proposal is not None:
-                return await self._replan_now(proposal, plan, in_flight)
-        return len(plan)
-
-    async def _replan_now(self, proposal, plan: list[Batch], in_flight: deque[int]) -> int:
-        """Stop the pipeline after the latest step any stage has committed (run a backward or an
-        optimizer step for), re-partition; returns steps run.
-
-        Later steps, even those a fast stage has run forwards for, are dropped and sent again to the
-        new placement (docs/RUNTIME.md, "Hold and truncate").
-        """
-        replies = await asyncio.gather(*(self.client.send(url, RUN, hold_envelope(self.run_id)) for url in self.order))
-        committed = max(int(reply.envelope().meta.get("committed", -1)) for reply in replies)
-        last = max(committed, self.ledger.completed_through, plan[0].step - 1)
-        await asyncio.gather(*(self.client.send(url, RUN, truncate_envelope(self.run_id, last)) for url in self.order))
-        for step in in_flight:
-            if step <= last:
-                await self._wait_step(step)
-        self.ledger.forget([batch.step for batch in plan if batch.step > last])
-        await self._settle_evaluations(through_step=last, drop_later=True)
-        await self._repartition(proposal, last + 1)
-        return last + 1 - plan[0].step
-
-    async def _send_batch(self, batch: Batch) -> None:
-        """The step's inputs to the first stage and labels to the last: one message each (one in all)."""
-        inputs = {self.manifest.model_input[0].name: np.ascontiguousarray(self.dataset.x_train[batch.indices])}
-        labels = {self.manifest.labels[0].name: np.ascontiguousarray(self.dataset.y_train[batch.indices])}
-        first, last = self.order[0], self.order[-1]
-        messages = [(first, inputs), (last, labels)] if len(self.order) > 1 else [(first, {**inputs, **labels})]
-        await asyncio.gather(*(self.client.send(url, BATCH, Envelope(kind="batch", run_id=self.run_id,
-                                                                     step=batch.step, tensors=tensors))
-                               for url, tensors in messages))
+        await self.evaluation.settle()
 
     async def _on_report(self, request: Request) -> None:
-        message = read_report(request, self.run_id, self.names)
+        message = read_report(request, self.state.run_id, self.state.names)
         worker = message.worker if request.identity is None else request.identity.name
         if message.failed is not None:
             self.ledger.fail(f"stage {message.stage} ({worker or '?'}) failed: {message.failed}")
@@ -426,18 +324,8 @@ class Coordinator(RecoveryMixin, ReplanMixin, EvaluationMixin):
             self.ledger.add(report, worker)
 
     def _show_step(self, record) -> None:
-        if self._progress is not None:
-            self._progress.update(self.ledger.completed, epoch=record.epoch + 1, loss=record.loss,
-                                  acc=record.accuracy,
-                                  **{"samples/s": round(record.samples / max(record.step_ms, 1e-9) * 1000, 1)})
-
-    # -- evaluation and checkpoints ----------------------------------------------------------
-
-    async def _fetch_states(self) -> list[StageState]:
-        async def fetch(url: str) -> StageState:
-            return StageState.from_envelope(await self.client.fetch(url, WEIGHTS, timeout=60.0))
-
-        return list(await asyncio.gather(*(fetch(url) for url in self.order)))
+        self._progress.update(self.ledger.completed, epoch=record.epoch + 1, loss=record.loss, acc=record.accuracy,
+                              **{"samples/s": round(record.samples / max(record.step_ms, 1e-9) * 1000, 1)})
 
     def _summary(self) -> RunSummary:
         """The whole run's summary, from its records on disk (every process of it, across resumes)."""
@@ -492,6 +380,3 @@ def train(config: TrainConfig) -> RunSummary:
     """Run a training job to the end (blocking)."""
     return asyncio.run(Coordinator(config).run())
 
-
-def summary_json(summary: RunSummary) -> dict[str, Any]:
-    return dataclasses.asdict(summary)

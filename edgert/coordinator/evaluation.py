@@ -6,6 +6,10 @@ would have to drain and fill again for that, a whole trip through every stage pe
 instead its segment runs on across epoch ends, each stage sends the coordinator a copy of
 its state after the epoch's last step (``Segment.checkpoint_steps``), and the coordinator
 evaluates from those copies while the pipeline keeps going.
+
+The states are evaluated here, on the central node: :class:`Evaluator` runs the plan's
+inference graphs chained, so evaluation never stalls the workers' pipeline beyond the
+drain it needs anyway.
 """
 
 from __future__ import annotations
@@ -14,43 +18,97 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import numpy as np
+
+from edgert.chain import StageChain
 from edgert.checkpoint import CheckpointInfo, save_checkpoint_info
+from edgert.coordinator.progress import Progress
+from edgert.coordinator.run_state import RunState
+from edgert.coordinator.runlog import RunLog
+from edgert.coordinator.snapshots import CentralCopies
 from edgert.errors import EdgertError
-from edgert.manifest import MANIFEST_NAME
-from edgert.transport import deadline
+from edgert.manifest import MANIFEST_NAME, Manifest
+from edgert.models.datasets import Dataset
+from edgert.protocol import WEIGHTS
+from edgert.transport import TensorClient, deadline
 from edgert.weights import StageState, save_state
 
 SNAPSHOT_WAIT_S = 30.0  # how long the end of a segment waits for the copies of its epoch ends
 
 
-class EvaluationMixin:
-    """Mixin of :class:`edgert.coordinator.coordinator.Coordinator`."""
+def loss_and_accuracy(loss: str, prediction: np.ndarray, labels: np.ndarray) -> tuple[float, float | None]:
+    """Mean loss and (for classification) accuracy of a prediction."""
+    if loss == "cross_entropy":
+        logits = prediction.reshape(-1, prediction.shape[-1]).astype(np.float64)
+        target = labels.reshape(-1)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        mean_loss = float(-log_probs[np.arange(len(target)), target].mean())
+        return mean_loss, float(np.mean(logits.argmax(axis=1) == target))
+    return float(np.mean((prediction.astype(np.float64) - labels) ** 2)), None
 
-    def _init_evaluation(self) -> None:
+
+class Evaluator:
+    """A local copy of the plan's stages, loaded with fetched states, run on test data."""
+
+    def __init__(self, plan_dir: Path, manifest: Manifest):
+        self._chain = StageChain(plan_dir, manifest)
+        self._manifest = manifest
+
+    def evaluate(self, states: list[StageState], x: np.ndarray, y: np.ndarray,
+                 batch_size: int = 256) -> tuple[float, float | None]:
+        for stage, state in zip(self._chain.stages, states):
+            stage.load_parameters(state.parameters)
+        input_name = self._manifest.model_input[0].name
+        predictions = [self._chain.infer({input_name: x[i:i + batch_size]}) for i in range(0, len(x), batch_size)]
+        return loss_and_accuracy(self._manifest.training.loss, np.concatenate(predictions), y)
+
+
+class Evaluation:
+    """Evaluates the run's epoch ends and keeps the latest as its checkpoint (``checkpoints/latest``).
+
+    Owns the epoch ends awaiting copies, the evaluations under way and the local evaluator;
+    reads the placement from ``state`` and the async schedule's copies from ``central``.
+    """
+
+    def __init__(self, out_dir: Path, state: RunState, client: TensorClient, log: RunLog, dataset: Dataset,
+                 central: CentralCopies, progress: Progress):
+        self._out_dir = out_dir
+        self._state = state
+        self._client = client
+        self._log = log
+        self._dataset = dataset
+        self._central = central
+        self._progress = progress
+        self._evaluator: Evaluator | None = None
         self._checkpoint_epochs: dict[int, int] = {}  # step -> epoch, awaiting every stage's copy
         self._evaluations: list[asyncio.Task] = []
-        self._evaluation_lock = asyncio.Lock()  # one evaluator, one checkpoint folder
+        self._lock = asyncio.Lock()  # one evaluator, one checkpoint folder
         self._checkpoint_arrived = asyncio.Event()  # set whenever an awaited epoch end's copies are all in
         self._shown: dict[int, tuple] = {}  # epoch -> the evaluation printed for it (a replay prints it once)
 
-    def _expect_checkpoints(self, epochs_by_step: dict[int, int]) -> None:
+    def use_plan(self, plan_dir: Path, manifest: Manifest) -> None:
+        """Evaluate with this plan's stages from now on (the cuts moved)."""
+        self._evaluator = Evaluator(plan_dir, manifest)
+
+    def expect_checkpoints(self, epochs_by_step: dict[int, int]) -> None:
         """Evaluate after these steps (epoch ends inside a segment) once every stage's copy is in."""
         self._checkpoint_epochs.update(epochs_by_step)
 
-    def _snapshot_complete(self, step: int) -> None:
+    def snapshot_complete(self, step: int) -> None:
         """Every stage's copy after ``step`` has arrived: evaluate it if that step ends an epoch."""
         epoch = self._checkpoint_epochs.pop(step, None)
         if epoch is None:
             return
         self._checkpoint_arrived.set()
         try:
-            states = self.central.snapshot(step, len(self.manifest.stages))
+            states = self._central.snapshot(step, len(self._state.manifest.stages))
         except (EdgertError, OSError) as error:
-            self._skip_evaluation(step, epoch, f"the snapshot is unreadable: {error}")
+            self._skip(step, epoch, f"the snapshot is unreadable: {error}")
             return
         self._evaluations.append(asyncio.ensure_future(self._evaluate_states(states, epoch, step, "snapshot")))
 
-    async def _settle_evaluations(self, through_step: int | None = None, drop_later: bool = False) -> None:
+    async def settle(self, through_step: int | None = None, drop_later: bool = False) -> None:
         """Wait for the copies of the epoch ends up to ``through_step`` and their evaluations.
 
         An epoch end whose copies do not all arrive (a worker failed after the step) is not
@@ -60,59 +118,81 @@ class EvaluationMixin:
         if drop_later and through_step is not None:
             self._checkpoint_epochs = {s: e for s, e in self._checkpoint_epochs.items() if s <= through_step}
         due = [s for s in self._checkpoint_epochs if through_step is None or s <= through_step]
+        await self._wait_copies(due)
+        for step in [s for s in due if s in self._checkpoint_epochs]:
+            self._skip(step, self._checkpoint_epochs.pop(step), "not every stage's copy after that step arrived")
+        pending, self._evaluations = self._evaluations, []
+        await asyncio.gather(*pending)
+
+    def forget_checkpoints(self, reason: str, resume: int) -> None:
+        """After a recovery that resumes at ``resume``: earlier epoch ends still missing copies are
+        skipped; later ones run again, in a segment that expects their copies anew."""
+        for step, epoch in sorted(self._checkpoint_epochs.items()):
+            if step < resume:
+                self._skip(step, epoch, reason)
+        self._checkpoint_epochs.clear()
+
+    async def evaluate(self, epoch: int, step: int) -> tuple[float | None, float | None]:
+        """Evaluate the stages' current states (the pipeline has drained after ``step``)."""
+        await self.settle()
+        return await self._evaluate_states(await self._fetch_states(), epoch, step, "drained")
+
+    # -- the steps -------------------------------------------------------------------------------
+
+    async def _wait_copies(self, due: list[int]) -> None:
+        """Until every stage's copy after each of ``due`` is in, or :data:`SNAPSHOT_WAIT_S` passed."""
         try:
             async with deadline.timeout(SNAPSHOT_WAIT_S):
                 while any(s in self._checkpoint_epochs for s in due):
                     self._checkpoint_arrived.clear()
                     await self._checkpoint_arrived.wait()
         except asyncio.TimeoutError:
-            pass  # the copies still missing are skipped below
-        for step in [s for s in due if s in self._checkpoint_epochs]:
-            self._skip_evaluation(step, self._checkpoint_epochs.pop(step),
-                                  "not every stage's copy after that step arrived")
-        pending, self._evaluations = self._evaluations, []
-        await asyncio.gather(*pending)
+            pass  # the copies still missing are skipped
 
-    def _forget_checkpoints(self, reason: str, resume: int) -> None:
-        """After a recovery that resumes at ``resume``: earlier epoch ends still missing copies are
-        skipped; later ones run again, in a segment that expects their copies anew."""
-        for step, epoch in sorted(self._checkpoint_epochs.items()):
-            if step < resume:
-                self._skip_evaluation(step, epoch, reason)
-        self._checkpoint_epochs.clear()
-
-    def _skip_evaluation(self, step: int, epoch: int, reason: str) -> None:
+    def _skip(self, step: int, epoch: int, reason: str) -> None:
         """The epoch ending at ``step`` goes unevaluated: say why (an ``eval_skipped`` event)."""
-        self.log.event("eval_skipped", step=step, epoch=epoch, reason=reason)
+        self._log.event("eval_skipped", step=step, epoch=epoch, reason=reason)
 
-    async def _evaluate(self, epoch: int, step: int) -> tuple[float | None, float | None]:
-        """Evaluate the stages' current states (the pipeline has drained after ``step``)."""
-        await self._settle_evaluations()
-        return await self._evaluate_states(await self._fetch_states(), epoch, step, "drained")
+    async def _fetch_states(self) -> list[StageState]:
+        async def fetch(url: str) -> StageState:
+            return StageState.from_envelope(await self._client.fetch(url, WEIGHTS, timeout=60.0))
+
+        return list(await asyncio.gather(*(fetch(url) for url in self._state.order)))
 
     async def _evaluate_states(self, states: list[StageState], epoch: int, step: int,
                                source: str) -> tuple[float | None, float | None]:
         """Save ``states`` as the latest checkpoint, evaluate them on the test set, log the result."""
-        async with self._evaluation_lock:
-            folder = self.config.out_dir / "checkpoints" / "latest"
-            for stale in folder.glob("stage*.cbor"):
-                stale.unlink()
-            written = sum(save_state(state, folder / f"stage{k}.cbor", self.run_id) for k, state in enumerate(states))
-            self._copy_plan(self.config.out_dir / "plan")
-            save_checkpoint_info(CheckpointInfo(step=step, epoch=epoch, stages=len(states)), folder)
+        async with self._lock:
+            written = self._save_checkpoint(states, epoch, step)
             loss, accuracy = await asyncio.get_running_loop().run_in_executor(
-                None, self._evaluator.evaluate, states, self.dataset.x_test, self.dataset.y_test)
-        self.log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
-                        checkpoint_bytes=written, source=source)
-        if self._progress is not None and self._shown.get(epoch) != (loss, accuracy):
-            again = " (replayed)" if epoch in self._shown else ""
-            self._shown[epoch] = (loss, accuracy)
-            accuracy_text = f", test accuracy {accuracy:.4f}" if accuracy is not None else ""
-            self._progress.message(f"epoch {epoch + 1}: test loss {loss:.4f}{accuracy_text}{again}")
+                None, self._evaluator.evaluate, states, self._dataset.x_test, self._dataset.y_test)
+        self._log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
+                         checkpoint_bytes=written, source=source)
+        self._show(epoch, loss, accuracy)
         return loss, accuracy
+
+    def _save_checkpoint(self, states: list[StageState], epoch: int, step: int) -> int:
+        """``states`` as ``checkpoints/latest``, with the plan they belong to; returns the bytes written."""
+        folder = self._out_dir / "checkpoints" / "latest"
+        for stale in folder.glob("stage*.cbor"):
+            stale.unlink()
+        written = sum(save_state(state, folder / f"stage{k}.cbor", self._state.run_id)
+                      for k, state in enumerate(states))
+        self._copy_plan(self._out_dir / "plan")
+        save_checkpoint_info(CheckpointInfo(step=step, epoch=epoch, stages=len(states)), folder)
+        return written
 
     def _copy_plan(self, target: Path) -> None:
         """The run's plan folder follows re-partitions, so a checkpoint always matches it."""
-        if self.plan_dir.resolve() != target.resolve():
+        if self._state.plan_dir.resolve() != target.resolve():
             target.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.plan_dir / MANIFEST_NAME, target / MANIFEST_NAME)
+            shutil.copyfile(self._state.plan_dir / MANIFEST_NAME, target / MANIFEST_NAME)
+
+    def _show(self, epoch: int, loss: float | None, accuracy: float | None) -> None:
+        """The epoch's result on the progress display: once, and again only if a replay changed it."""
+        if self._shown.get(epoch) == (loss, accuracy):
+            return
+        again = " (replayed)" if epoch in self._shown else ""
+        self._shown[epoch] = (loss, accuracy)
+        accuracy_text = f", test accuracy {accuracy:.4f}" if accuracy is not None else ""
+        self._progress.message(f"epoch {epoch + 1}: test loss {loss:.4f}{accuracy_text}{again}")

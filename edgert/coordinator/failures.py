@@ -1,36 +1,31 @@
-"""Failure detection and recovery bookkeeping for the coordinator (FTPipeHD, Asteroid).
+"""Noticing that workers failed: by their health, by a step long overdue, by a send that failed.
 
 - :class:`FailureWatch` observes every worker's ``/health`` (RFC 7641): a worker that
   dies closes its connection and the observation fails at once; it is then probed, and
   only a worker that does not answer is declared failed. A *slow* worker still answers,
   so it is never mistaken for a dead one.
-- :func:`newest_snapshot` finds the newest step for which every parameter has a copy on
-  some surviving holder (its own snapshot, a neighbour's replica, or the coordinator's):
-  the consistent cut to roll back to.
-- :class:`CentralCopies` is the coordinator's own copy store, kept on disk as well, so a
-  restarted coordinator can resume from it.
+- :class:`FailureDetector` keeps the workers that failed until a recovery is done with them,
+  and waits for each step with a deadline of a few median steps, probing the workers when
+  it passes. What is done about a failure is edgert/coordinator/recovery.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from edgert.errors import EdgertError
-from edgert.protocol import HEALTH, REPLICA
-from edgert.replica import SELF_ORIGIN, CopyStore, Holding, holdings_from_meta
+from edgert.coordinator.errors import TrainingError, WorkerFailure
+from edgert.coordinator.ledger import StepLedger
+from edgert.coordinator.run_state import RunState
+from edgert.coordinator.runlog import RunLog
+from edgert.protocol import HEALTH
 from edgert.transport import TensorClient, TransportError
-from edgert.weights import StageState, load_state, save_state
 
 log = logging.getLogger("edgert.coordinator.failures")
-COORDINATOR = "coordinator"
-KEEP_SNAPSHOTS = 2
-CENTRAL_MAX_BYTES = 1 << 30  # the workers' copies the coordinator keeps in memory, every stage and version together
+MIN_DEADLINE_S = 1.0
+DEADLINE_FACTOR = 4.0  # a step slower than this many median steps makes the coordinator probe the workers
 
 
 async def answers(client: TensorClient, url: str, timeout: float = 1.0) -> bool:
@@ -88,107 +83,102 @@ class FailureWatch:
         self._tasks.clear()
 
 
-async def gather_holdings(client: TensorClient, urls: list[str], run_id: str) -> dict[str, list[Holding]]:
-    """Every surviving worker's copies of run ``run_id`` (GET /replica); a worker still in another
-    run (an idle one that joined) holds none of this run's."""
+class FailureDetector:
+    """The workers that failed and are not yet recovered from, each with when it was noticed.
 
-    async def one(url: str) -> list[Holding]:
-        try:
-            response = await client.get(url, REPLICA, timeout=5.0, retries=1)
-            envelope = response.envelope()
-            if envelope.run_id != run_id:
-                return []
-            return holdings_from_meta(envelope.meta.get("holdings", []))
-        except (TransportError, OSError):
-            return []
+    Owns the :class:`FailureWatch` on every known worker (from :meth:`start_watching` on); a
+    failure interrupts whoever waits on the ``ledger``, and :meth:`wait_step` raises it.
+    """
 
-    results = await asyncio.gather(*(one(url) for url in urls))
-    return dict(zip(urls, results))
+    def __init__(self, state: RunState, client: TensorClient, ledger: StepLedger, log: RunLog,
+                 step_timeout: float):
+        self._state = state
+        self._client = client
+        self._ledger = ledger
+        self._log = log
+        self._step_timeout = step_timeout
+        self._failed: dict[str, float] = {}  # failed worker URL -> when it was noticed (monotonic), until recovered
+        self._watch: FailureWatch | None = None
 
+    def start_watching(self) -> None:
+        """Watch every known worker from now on (training starts)."""
+        self._watch = FailureWatch(self._client, self.notice)
+        self._watch.watch(list(self._state.known))
 
-def newest_snapshot(holdings: dict[str, list[Holding]], names: set[str]) -> int | None:
-    """The newest step after which every name in ``names`` has a copy somewhere, or None."""
-    steps = sorted({h.step for copies in holdings.values() for h in copies}, reverse=True)
-    for step in steps:
-        covered = {n for copies in holdings.values() for h in copies if h.step == step for n in h.names}
-        if names <= covered:
-            return step
-    return None
+    def watch(self, url: str) -> None:
+        """Watch a worker that joined, if the watch has started (else it starts with the others)."""
+        if self._watch is not None:
+            self._watch.watch([url])
 
+    async def close(self) -> None:
+        if self._watch is not None:
+            await self._watch.close()
 
-def sources_for(step: int, names: list[str], taker: str, holdings: dict[str, list[Holding]],
-                coordinator_url: str) -> list[dict]:
-    """Where ``taker`` fetches ``names`` as of ``step``: itself first, then a worker, then the coordinator."""
-    ranked = sorted(holdings, key=lambda holder: (holder != taker, holder == COORDINATOR))
-    by_holder: dict[str, list[str]] = {}
-    for name in names:
-        for holder in ranked:
-            if any(h.step == step and name in h.names for h in holdings[holder]):
-                by_holder.setdefault(holder, []).append(name)
-                break
-        else:
-            raise EdgertError(f"no holder has {name!r} as of step {step}")
-    sources = []
-    for holder, wanted in by_holder.items():
-        url = "self" if holder == taker else (coordinator_url if holder == COORDINATOR else holder)
-        sources.append({"url": url, "names": wanted, "copy_step": step, "previous": False})
-    return sources
+    def notice(self, urls: set[str], noticed: float) -> None:
+        """Workers stopped answering (noticed at ``noticed``, monotonic); those not known already fail."""
+        fresh = (urls & set(self._state.known)) - set(self._failed)
+        if not fresh:
+            return
+        self._failed.update(dict.fromkeys(fresh, noticed))
+        self._ledger.interrupt()
 
+    def failure(self) -> WorkerFailure:
+        """The failures not yet recovered from, noticed when the first of them was (one noticed during
+        a recovery counts from its own notice, not from the failure that recovery was for)."""
+        return WorkerFailure(set(self._failed), min(self._failed.values()))
 
-class CentralCopies:
-    """The coordinator's copies: in memory for serving, on disk (``snapshots/``) for resuming."""
+    def recovering(self, urls: set[str]) -> None:
+        """A recovery without ``urls`` begins: they are watched no more."""
+        if self._watch is not None:
+            self._watch.forget(urls)
 
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_peer_bytes=CENTRAL_MAX_BYTES)
+    def recovered(self, urls: set[str]) -> None:
+        """A recovery from the failure of ``urls`` is done; a worker that failed meanwhile is still failed."""
+        for url in urls:
+            self._failed.pop(url, None)
 
-    def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "") -> bool:
-        """Keep a stage's copy; True when the step's snapshot became complete (every stage here). Raises
-        :class:`~edgert.replica.ReplicaStoreFull`, keeping nothing, beyond :data:`CENTRAL_MAX_BYTES`."""
-        self.store.put(state, origin)
-        step_dir = self._step_dir(state.step)
-        save_state(state, step_dir / f"stage{state.stage}.cbor")
-        have = len(list(step_dir.glob("stage*.cbor")))
-        if have < stages:
-            return False
-        (step_dir / "manifest.json").write_text(manifest_text)
-        (step_dir / "complete.json").write_text(json.dumps({"step": state.step, "stages": stages,
-                                                            "plan_dir": plan_dir}))
-        self._prune()
-        return True
+    async def as_failure(self, error: Exception) -> WorkerFailure:
+        """A worker failure behind ``error`` (a send or an assignment that failed), or the error itself."""
+        if isinstance(error, WorkerFailure):
+            return error
+        dead = await dead_among(self._client, list(self._state.known))
+        if not dead:
+            raise TrainingError(str(error)) from None
+        self.notice(dead, time.monotonic())
+        return self.failure()
 
-    def _prune(self) -> None:
-        complete = sorted(p.parent for p in self.folder.glob("step_*/complete.json"))
-        for old in complete[:-KEEP_SNAPSHOTS]:
-            shutil.rmtree(old, ignore_errors=True)
-        newest = complete[-1].name if complete else None
-        for partial in self.folder.glob("step_*"):
-            if not (partial / "complete.json").exists() and newest and partial.name < newest:
-                shutil.rmtree(partial, ignore_errors=True)
+    async def wait_step(self, step: int) -> None:
+        """Wait until ``step`` completed; a failed worker raises :class:`WorkerFailure`, a failed stage or
+        a step without reports for ``step_timeout`` raises :class:`~edgert.errors.TrainingError`."""
+        waited = 0.0
+        while True:
+            deadline = self._deadline()
+            finished = await self._ledger.wait(step, deadline)
+            if self._failed:
+                raise self.failure()
+            if self._ledger.failure or not finished:
+                await self._probe()
+            if finished:
+                return
+            waited += deadline
+            if waited >= self._step_timeout:
+                names = ", ".join(f"stage {k} ({self._state.names[k]})" for k in self._ledger.missing(step))
+                raise TrainingError(f"step {step}: no report from {names} within {self._step_timeout:.0f} s")
+            self._log.event("slow_step", step=step, waited_s=round(waited, 2))
 
-    def holdings(self) -> list[Holding]:
-        return self.store.holdings()
+    def _deadline(self) -> float:
+        """How long a step may take before the workers are probed: a few median steps."""
+        median = self._ledger.median_step_ms(10) / 1000
+        if median <= 0:
+            return self._step_timeout
+        return min(max(DEADLINE_FACTOR * median, MIN_DEADLINE_S), self._step_timeout)
 
-    def snapshot(self, step: int, stages: int) -> list[StageState]:
-        """Every stage's copy after ``step``, in stage order (the snapshot must be complete):
-        from memory, or from disk when newer copies have already taken their place there."""
-        try:
-            return [self.store.state(step, stage) for stage in range(stages)]
-        except EdgertError:
-            return [load_state(self._step_dir(step) / f"stage{stage}.cbor") for stage in range(stages)]
-
-    def _step_dir(self, step: int) -> Path:
-        """Where the copies after ``step`` are kept on disk."""
-        return self.folder / f"step_{step:08d}"
-
-    def latest_complete(self) -> Path | None:
-        complete = sorted(p.parent for p in self.folder.glob("step_*/complete.json"))
-        return complete[-1] if complete else None
-
-    def load(self, step_dir: Path) -> list[StageState]:
-        """A complete snapshot's stage states, also put back in memory for serving."""
-        states = [load_state(path) for path in sorted(step_dir.glob("stage*.cbor"),
-                                                      key=lambda p: int(p.stem.removeprefix("stage")))]
-        for state in states:
-            self.store.put(state, SELF_ORIGIN)
-        return states
+    async def _probe(self) -> None:
+        """A step is late or a stage failed: a worker that does not answer has failed, else the stage's failure
+        ends the run."""
+        dead = await dead_among(self._client, self._state.order)
+        if dead:
+            self.notice(dead, time.monotonic())
+            raise self.failure()
+        if self._ledger.failure:
+            raise TrainingError(self._ledger.failure)

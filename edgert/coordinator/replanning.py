@@ -2,115 +2,197 @@
 
 Every ``--replan-every`` completed steps (and when a worker joins) the placement is checked
 against the times measured lately, while the pipeline keeps going; a better placement that
-pays for its pause is applied at a step boundary: the segment is cut at the last step
-whose data was sent, the pipeline drains, the new stages are assigned and their state
-migrates between workers (edgert.coordinator.assignment).
+pays for its pause is applied at a step boundary: the run loop cuts the segment at the last
+step whose data was sent and drains the pipeline, then the new stages are assigned and
+their state migrates between workers (edgert.coordinator.assignment).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgert.coordinator.assignment import assign, migrate
 from edgert.coordinator.errors import TrainingError
-from edgert.coordinator.evaluator import Evaluator
+from edgert.coordinator.evaluation import Evaluation
+from edgert.coordinator.failures import FailureDetector
+from edgert.coordinator.ledger import StepLedger
+from edgert.coordinator.progress import Progress
+from edgert.coordinator.run_state import RunState
+from edgert.coordinator.run_summary import count_events
+from edgert.coordinator.runlog import RunLog
 from edgert.devices import save_devices
 from edgert.errors import EdgertError
-from edgert.protocol import HEALTH, Health, JoinRequest, read_request
-from edgert.transport import BadRequest, Request, TransportError
+from edgert.manifest import Manifest
+from edgert.protocol import HEALTH, JOIN, Health, JoinRequest, read_request
+from edgert.security.admission import StageSigning
+from edgert.transport import BadRequest, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.errors import Forbidden
 
+if TYPE_CHECKING:
+    from edgert.coordinator.coordinator import TrainConfig
 
-class ReplanMixin:
-    """Mixin of :class:`edgert.coordinator.coordinator.Coordinator`."""
+SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
 
-    def _make_replanner(self):
+
+class Replanning:
+    """Decides when the placement is checked, moves the cuts, and takes in workers that join (``POST /join``).
+
+    Owns the planner (edgert.exporter.planner.replanner, made by :meth:`start`), the count of
+    re-plans and when the next check is due; moves the placement in ``state``.
+    """
+
+    def __init__(self, config: TrainConfig, state: RunState, client: TensorClient, log: RunLog, ledger: StepLedger,
+                 failures: FailureDetector, evaluation: Evaluation, progress: Progress,
+                 signing: StageSigning | None):
+        self._config = config
+        self._state = state
+        self._client = client
+        self._log = log
+        self._ledger = ledger
+        self._failures = failures
+        self._evaluation = evaluation
+        self._progress = progress
+        self._signing = signing
+        self._replanner = None
+        # plans/plan<N> go on from the run's earlier processes
+        self._replans = count_events(config.out_dir, "replan")[0] if config.resume else 0
+        self._since_check = 0  # steps completed since the last check, in this segment
+        self._membership_changed = False
+        self._recheck = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later
+
+    def serve(self, server: TensorServer) -> None:
+        """Take in workers that offer themselves (a resource on ``server``)."""
+        server.add_resource(JOIN, post=self._on_join, rt="edgert.join", kinds=("control",))
+
+    async def start(self) -> None:
+        """Make the planner (the host extra, onnx); profile the workers unless ``--devices`` gave their speeds."""
         try:
             from edgert.exporter.planner.replanner import Replanner
         except ImportError as error:
             raise TrainingError(f"re-planning needs the host extra (onnx): {error}") from None
-        return Replanner(self.config.plan_dir, self.manifest, self.config.out_dir / "stage-cache",
-                         devices=self.config.devices, threshold=self.config.replan_threshold,
-                         batch_size=self.config.batch_size, micro_batches=self.config.micro_batches,
-                         schedule=self.config.schedule, memory_mode=self.config.memory_mode)
+        config = self._config
+        self._replanner = Replanner(config.plan_dir, self._state.manifest, config.out_dir / "stage-cache",
+                                    devices=config.devices, threshold=config.replan_threshold,
+                                    batch_size=config.batch_size, micro_batches=config.micro_batches,
+                                    schedule=config.schedule, memory_mode=config.memory_mode)
+        if config.devices is None:
+            await self._profile(dict(self._state.known))
+
+    def begin_segment(self) -> None:
+        """A segment starts: the steps until the next check count from here."""
+        self._since_check = 0
+
+    async def after_step(self):
+        """A step completed: when a check is due, a better placement (a proposal) or None."""
+        config = self._config
+        self._since_check += 1
+        auto = config.replan == "auto"
+        shifted = auto and self._ledger.speed_changed()
+        # right after a re-plan, the new placement's own times (not the old ones) are checked soon
+        recheck = auto and self._recheck and self._since_check > SHIFT_WINDOW
+        if not ((auto and self._since_check >= config.replan_every) or shifted or recheck
+                or self._membership_changed):
+            return None
+        self._since_check, self._membership_changed, self._recheck = 0, False, False
+        quick = shifted or recheck
+        return await self._check_placement(window=SHIFT_WINDOW if quick else config.replan_every)
+
+    async def forced(self, next_step: int) -> None:
+        """``--replan-at``: move to the cuts asked for before ``next_step`` (the pipeline is drained)."""
+        state = self._state
+        self._observe(self._config.replan_every)
+        cuts = dict(self._config.replan_at)[next_step]
+        proposal = self._replanner.propose(state.manifest, state.names, force=True, cuts=cuts,
+                                           candidates=list(state.known.values()))
+        await self.repartition(proposal, next_step)
+
+    async def repartition(self, proposal, next_step: int) -> None:
+        """Move to ``proposal``'s cuts and workers before ``next_step``; the pipeline is drained."""
+        state = self._state
+        started = time.perf_counter()
+        self._replans += 1
+        folder = self._config.out_dir / "plans" / f"plan{self._replans}"
+        manifest = await self._build(list(proposal.cuts), folder)
+        self._evaluation.use_plan(folder, manifest)
+        order = self._urls(proposal.workers)
+        old_manifest, old_order, old_cuts = state.manifest, state.order, list(state.manifest.cuts)
+        await assign(self._client, manifest, folder, order, list(proposal.workers), state.settings)
+        moved = await migrate(self._client, state.run_id, old_manifest, old_order, manifest, order)
+        state.place(manifest, folder, order, list(proposal.workers))
+        self._ledger.configure(state.names)
+        pause = time.perf_counter() - started
+        self._replanner.record_pause(pause)
+        self._recheck = proposal.reason != "forced"
+        self._log.event("replan", before_step=next_step, reason=proposal.reason, old_cuts=old_cuts,
+                        new_cuts=list(manifest.cuts), workers=state.names, predicted_gain=round(proposal.gain, 3),
+                        pause_s=round(pause, 3), bytes_moved=moved.bytes, migrate_s=round(moved.seconds, 3))
+        self._progress.message(f"re-planned before step {next_step} ({proposal.reason}): cuts "
+                               f"{old_cuts} -> {list(manifest.cuts)}, paused {pause:.2f} s")
+
+    async def placement_for(self, manifest: Manifest, workers: list[str],
+                            folder: Path) -> tuple[Manifest, list[str], list[str]]:
+        """``manifest``'s model cut for ``workers`` (by name), whatever the times say, built into ``folder``:
+        the new manifest and the URLs and names of its stages' workers (a recovery, a resume)."""
+        proposal = self._replanner.propose(manifest, None, force=True, candidates=workers)
+        built = await self._build(list(proposal.cuts), folder)
+        return built, self._urls(proposal.workers), list(proposal.workers)
+
+    # -- the steps -------------------------------------------------------------------------------
+
+    def _observe(self, window: int) -> None:
+        """Give the planner the stage times of the last ``window`` steps."""
+        measured = self._ledger.stage_times_ms(window)
+        step_ms = self._ledger.median_step_ms(window)
+        self._replanner.observe(self._state.manifest, self._state.names, measured, step_ms)
+
+    async def _check_placement(self, window: int):
+        """A better placement for the times of the last ``window`` steps, or None (planned off the event loop)."""
+        state = self._state
+        self._observe(window)
+        workers = list(state.known.values())
+        proposal = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self._replanner.propose(state.manifest, state.names, candidates=workers))
+        self._log.event("placement_check", after_step=self._ledger.completed_through, **self._replanner.last_check)
+        return proposal
+
+    async def _build(self, cuts: list[int], folder: Path) -> Manifest:
+        """The plan for ``cuts``, exported into ``folder`` (off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self._replanner.build, cuts, folder)
+
+    def _urls(self, names) -> list[str]:
+        """The known workers' URLs, for their names."""
+        by_name = self._state.urls_by_name()
+        return [by_name[name] for name in names]
 
     async def _on_join(self, request: Request) -> str:
         """A worker offers itself (``edgert worker --join``): the planner decides at the next step boundary."""
         url = read_request(JoinRequest.from_envelope, request.envelope).url
         try:
-            health = Health.from_envelope((await self.client.get(url, HEALTH, timeout=5.0)).envelope())
+            health = Health.from_envelope((await self._client.get(url, HEALTH, timeout=5.0)).envelope())
         except (TransportError, EdgertError) as error:
             raise BadRequest(f"{url} does not answer: {error}") from None
         if request.identity is not None and request.identity.name != health.name:
             raise Forbidden(f"{request.identity} may join only as itself, not as worker {health.name!r} at {url}")
-        if url not in self.known:
-            if self.replanner is not None and self.config.devices is None:
-                await self._profile_workers({url: health.name})
-            self.known[url] = health.name
-            if self.watch is not None:
-                self.watch.watch([url])
+        if url not in self._state.known:
+            if self._replanner is not None and self._config.devices is None:
+                await self._profile({url: health.name})
+            self._state.known[url] = health.name
+            self._failures.watch(url)
             self._membership_changed = True
-            self.log.event("join", worker=health.name, url=url)
+            self._log.event("join", worker=health.name, url=url)
         return "joined"
 
-    async def _profile_workers(self, workers: dict[str, str]) -> None:
+    async def _profile(self, workers: dict[str, str]) -> None:
         """A quick profile of ``workers`` on the model's units, so the planner knows their speeds."""
         started = time.perf_counter()
         try:
-            await self.replanner.profile(self.client, workers, self.config.out_dir / "profile",
-                                         signing=None if self.security is None else self.security.signing)
+            await self._replanner.profile(self._client, workers, self._config.out_dir / "profile",
+                                          signing=self._signing)
         except (TransportError, EdgertError) as error:
             raise TrainingError(f"profiling {', '.join(workers.values())} failed: {error}") from None
-        save_devices(self.replanner.devices, self.config.out_dir / "devices.json")
-        self.log.event("profiled", workers=list(workers.values()), seconds=round(time.perf_counter() - started, 3),
-                       devices_file="devices.json")
-
-    # -- re-planning ---------------------------------------------------------------------------
-
-    def _observe(self, window: int) -> None:
-        measured = self.ledger.stage_times_ms(window)
-        step_ms = self.ledger.median_step_ms(window)
-        self.replanner.observe(self.manifest, self.names, measured, step_ms)
-
-    async def _check_placement(self, window: int):
-        """A better placement for the times of the last ``window`` steps, or None (planned off the event loop)."""
-        self._observe(window)
-        workers = list(self.known.values())
-        proposal = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.replanner.propose(self.manifest, self.names, candidates=workers))
-        self.log.event("placement_check", after_step=self.ledger.completed_through, **self.replanner.last_check)
-        return proposal
-
-    async def _forced_replan(self, next_step: int) -> None:
-        self._observe(self.config.replan_every)
-        cuts = dict(self.config.replan_at)[next_step]
-        proposal = self.replanner.propose(self.manifest, self.names, force=True, cuts=cuts,
-                                          candidates=list(self.known.values()))
-        await self._repartition(proposal, next_step)
-
-    async def _repartition(self, proposal, next_step: int) -> None:
-        """Move to ``proposal``'s cuts and workers before ``next_step``; the pipeline is drained."""
-        started = time.perf_counter()
-        self.replans += 1
-        folder = self.config.out_dir / "plans" / f"plan{self.replans}"
-        loop = asyncio.get_running_loop()
-        manifest = await loop.run_in_executor(None, self.replanner.build, list(proposal.cuts), folder)
-        self._evaluator = Evaluator(folder, manifest)
-        by_name = {name: url for url, name in self.known.items()}
-        order = [by_name[name] for name in proposal.workers]
-        old_manifest, old_order, old_cuts = self.manifest, self.order, list(self.manifest.cuts)
-        await assign(self.client, manifest, folder, order, list(proposal.workers), self._settings)
-        moved = await migrate(self.client, self.run_id, old_manifest, old_order, manifest, order)
-        self.manifest, self.plan_dir, self.order, self.names = manifest, folder, order, list(proposal.workers)
-        self.ledger.configure(self.names)
-        pause = time.perf_counter() - started
-        self.replanner.record_pause(pause)
-        self._recheck_after_replan = proposal.reason != "forced"
-        self.log.event("replan", before_step=next_step, reason=proposal.reason, old_cuts=old_cuts,
-                       new_cuts=list(manifest.cuts), workers=self.names, predicted_gain=round(proposal.gain, 3),
-                       pause_s=round(pause, 3), bytes_moved=moved.bytes, migrate_s=round(moved.seconds, 3))
-        if self._progress is not None:
-            self._progress.message(f"re-planned before step {next_step} ({proposal.reason}): cuts "
-                                   f"{old_cuts} -> {list(manifest.cuts)}, paused {pause:.2f} s")
-
+        save_devices(self._replanner.devices, self._config.out_dir / "devices.json")
+        self._log.event("profiled", workers=list(workers.values()), seconds=round(time.perf_counter() - started, 3),
+                        devices_file="devices.json")

@@ -12,15 +12,8 @@ import onnxruntime as ort
 import pytest
 
 from edgert.errors import EdgertError
-from edgert.models import (
-    ModelBuildError,
-    ModelSpec,
-    UnknownModelError,
-    build_model,
-    get_model_spec,
-    list_models,
-    save_model,
-)
+from edgert.models import ModelSpec, build_model, get_model_spec, list_models, save_model
+from edgert.models.errors import ModelBuildError, UnknownModelError
 
 # Trainable parameters (frozen initializers excluded), as documented in docs/MODELS.md.
 PARAMS = {

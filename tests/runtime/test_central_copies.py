@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from edgert.coordinator.failures import CentralCopies
+from edgert.coordinator.snapshots import CentralCopies
 from edgert.weights import StageState
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from edgert.coordinator.coordinator import TrainConfig, train
 from edgert.coordinator.errors import TrainingError
-from edgert.coordinator.evaluator import Evaluator
+from edgert.coordinator.evaluation import Evaluator
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
 from edgert.errors import EdgertError

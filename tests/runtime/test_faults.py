@@ -17,9 +17,9 @@ import pytest
 
 from edgert.bench.faults import run_and_kill as kill_during
 from edgert.coordinator.coordinator import TrainConfig, train
-from edgert.coordinator.failures import gather_holdings
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
+from edgert.coordinator.snapshots import gather_holdings
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from edgert.coordinator.coordinator import next_segment
 from edgert.coordinator.data import Batch
+from edgert.coordinator.segments import next_segment
 from edgert.errors import ProtocolError
 from edgert.protocol import MAX_SEGMENT_STEPS, Segment
 from edgert.transport import Envelope

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from edgert.coordinator.coordinator import TrainConfig
-from edgert.coordinator.failures import CENTRAL_MAX_BYTES
 from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.snapshots import CENTRAL_MAX_BYTES
 from edgert.protocol import JOIN, REPLICA, REPORT, JoinRequest
 from edgert.transport import ClientConfig, Envelope, SyncClient, TensorClient
 from edgert.transport.limits import MiB
@@ -43,7 +43,7 @@ def copy(run_id: str, stage: int, step: int, size: int, origin: str) -> Envelope
 
 
 def kept_bytes(running: RunningCoordinator) -> int:
-    return sum(h.bytes for h in running.coordinator.central.holdings())
+    return sum(h.bytes for h in running.coordinator.recovery.central.holdings())
 
 
 def test_a_flood_of_copies_of_stages_the_plan_lacks_is_refused_and_kept_nowhere(mlp_plan3, tmp_path):
@@ -56,11 +56,11 @@ def test_a_flood_of_copies_of_stages_the_plan_lacks_is_refused_and_kept_nowhere(
             before = resident_bytes()
             answers = [client.request("PUT", url, REPLICA, copy(running.run_id, 100 + i, 3, 8 * MiB, f"evil-{i}"),
                                       raise_for_status=False) for i in range(40)]
-            grown, strays = resident_bytes() - before, [h for h in running.coordinator.central.holdings()
+            grown, strays = resident_bytes() - before, [h for h in running.coordinator.recovery.central.holdings()
                                              if h.stage > 2 or h.origin.startswith("evil")]
             late = client.request("PUT", url, REPLICA, copy(running.run_id, 0, 10**6, 1024, "x"),
                                   raise_for_status=False)
-            store = running.coordinator.central.store
+            store = running.coordinator.recovery.central.store
             store.max_peer_bytes = kept_bytes(running) + MiB  # the budget nearly spent: a 2 MiB copy is too much
             over = client.request("PUT", url, REPLICA, copy(running.run_id, 0, 3, 2 * MiB, "x"),
                                   raise_for_status=False)
@@ -75,7 +75,7 @@ def test_a_flood_of_copies_of_stages_the_plan_lacks_is_refused_and_kept_nowhere(
     assert other.code.dotted == "4.00" and "a copy of run 'another-run'" in other.text
     assert summary.steps == STEPS
     assert not list((tmp_path / "run" / "snapshots").glob("step_*/stage[!012]*.cbor"))
-    holdings = running.coordinator.central.holdings()
+    holdings = running.coordinator.recovery.central.holdings()
     assert {h.stage for h in holdings} == {0, 1, 2}
     assert all(h.origin.startswith("127.0.0.1:") for h in holdings), {h.origin for h in holdings}
 
@@ -108,4 +108,4 @@ def test_over_tls_copies_and_reports_come_only_from_the_stages_worker(cluster, m
     assert "a report of stage 0 comes only from its worker 'w0', not" in answers["failure of stage 0 from w3"].text
     assert "worker 'w3' may join only as itself, not as worker 'w1'" in answers["join of w1 by w3"].text
     assert summary.steps == STEPS
-    assert {h.origin for h in running.coordinator.central.holdings()} == {"w0", "w1", "w2"}
+    assert {h.origin for h in running.coordinator.recovery.central.holdings()} == {"w0", "w1", "w2"}

@@ -1,0 +1,40 @@
+"""What the coordinator's parts share about the run in progress: its id, its placement, its workers.
+
+Who writes what: the placement (``manifest``, ``plan_dir``, ``order``, ``names``) changes only when
+the cuts move: the first assignment (:class:`~edgert.coordinator.coordinator.Coordinator`), a
+re-plan (:class:`~edgert.coordinator.replanning.Replanning`), a recovery or a resume
+(:class:`~edgert.coordinator.recovery.Recovery`). ``known`` is filled when the workers connect,
+grows when one joins (re-planning) and shrinks when one fails (recovery); ``announced_through``
+is the run loop's; ``settings`` are set by the coordinator before the first assignment.
+Everything else each part keeps to itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgert.coordinator.assignment import LinkSettings
+from edgert.manifest import Manifest
+
+
+@dataclass
+class RunState:
+    """The run as every part of the coordinator sees it."""
+
+    run_id: str
+    manifest: Manifest
+    plan_dir: Path
+    order: list[str]  # worker URL of each stage
+    names: list[str] = field(default_factory=list)  # worker name of each stage
+    known: dict[str, str] = field(default_factory=dict)  # worker URL -> name: every worker, idle ones too
+    announced_through: int = -1  # the last step of the segments sent to the workers (copies come after)
+    settings: LinkSettings | None = None  # what every stage assignment of this run carries
+
+    def place(self, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str]) -> None:
+        """The cuts moved: ``manifest``'s stages (built in ``plan_dir``) run on ``order``, named ``names``."""
+        self.manifest, self.plan_dir, self.order, self.names = manifest, plan_dir, order, list(names)
+
+    def urls_by_name(self) -> dict[str, str]:
+        """Each known worker's URL, by its name."""
+        return {name: url for url, name in self.known.items()}
