@@ -28,13 +28,6 @@ def integer(meta: dict, key: str, default: Any = REQUIRED, minimum: int = 0) -> 
     return value
 
 
-def number(meta: dict, key: str, default: float) -> float:
-    value = meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
-    return float(value)
-
-
 def real(meta: dict, key: str, default: Any = REQUIRED, finite: bool = True) -> float:
     """``meta[key]`` as a real number (an int or a float, not a bool), finite unless ``finite`` is False;
     ``default`` when absent."""
