@@ -1,7 +1,8 @@
 """Reading typed fields out of a message's ``meta`` map: one strict rule per kind of field.
 
 Each reader raises KeyError (missing), TypeError or ValueError (wrong type or range) naming the
-field; :func:`why` turns that into one line. :mod:`edgert.protocol` builds its messages with them.
+field; :func:`why` turns that into one line. :mod:`edgert.protocol` builds its flat messages with them
+(the nested stage assignment is read by :mod:`edgert.typed_data`).
 """
 
 from __future__ import annotations

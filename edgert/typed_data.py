@@ -15,6 +15,7 @@ told) naming the path, e.g. ``devices[0].blocks[2].forward_ms: expected a number
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -91,13 +92,13 @@ class _Loader:
 
     def dataclass(self, cls: type[T], data: Any, where: str) -> T:
         if not isinstance(data, dict):
-            raise self.error(f"{where or 'the data'} must be a map, got {_shown(data)}")
+            raise self.error(f"{where or 'the file'} must be an object, got {_shown(data)}")
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(map(str, set(data) - set(fields)))
         if unknown:
             raise self.error(f"{where + ': ' if where else ''}unknown field {unknown[0]!r} "
                              f"(known: {', '.join(fields)})")
-        hints = typing.get_type_hints(cls)
+        hints = _hints(cls)
         values = {}
         for name, spec in fields.items():
             path = f"{where}.{name}" if where else name
@@ -137,7 +138,7 @@ class _Loader:
             return tuple(self.value(arg, item, f"{path}[{k}]") for k, (arg, item) in enumerate(zip(args, value)))
         if origin is dict or hint is dict:
             if not isinstance(value, dict):
-                raise self.error(f"{path}: expected a map, got {_shown(value)}")
+                raise self.error(f"{path}: expected an object, got {_shown(value)}")
             if not args:
                 return dict(value)
             return {self.value(args[0], key, f"{path} key"): self.value(args[1], item, f"{path}[{key!r}]")
@@ -177,6 +178,11 @@ class _Loader:
                 raise self.error(f"{path}: expected a string, got {_shown(value)}")
             return value
         raise TypeError(f"load_dataclass does not handle the type {hint!r} (at {path})")  # a bug, not bad input
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _shown(value: Any) -> str:
