@@ -96,7 +96,6 @@ def _url(value: str) -> bool:
     return True
 
 
-URL = satisfies(_url, "must be a worker URL")
 OPTIONAL_URL = satisfies(lambda value: value == "" or _url(value), "must be a worker URL or \"\"")
 
 

@@ -19,7 +19,8 @@ from edgert.worker.inbox import Inbox, InboxFull
 def _stage() -> Envelope:
     return Envelope(kind="stage", run_id="r1", stage=1, tensors={"training": np.arange(8, dtype=np.uint8)},
                     meta={"entry": {"index": 1, "artifacts": [{"sha256": "ab"}]}, "stages": 3,
-                          "peers": {"previous": "a", "next": None}, "settings": {"training": {}, "wait_timeout": 120.0}})
+                          "peers": {"previous": "a", "next": None},
+                          "settings": {"training": {}, "wait_timeout": 120.0}})
 
 
 def _admission(cluster) -> Admission:
