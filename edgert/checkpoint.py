@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgert.typed_json import at_least, load_dataclass, load_json_file
+from edgert.typed_data import at_least, load_dataclass, load_json_file
 
 CHECKPOINT_NAME = "checkpoint.json"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from edgert.errors import EdgertError, FileFormatError
 from edgert.manifest import MEMORY_MODES
-from edgert.typed_json import above, at_least, load_dataclass, load_json_file, not_empty, one_of
+from edgert.typed_data import above, at_least, load_dataclass, load_json_file, not_empty, one_of
 
 FORMAT = "edgert-devices"
 FORMAT_VERSION = 1

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgert.errors import ManifestError
+from edgert.typed_data import load_dataclass, to_data
 
 FORMAT = "edgert-plan"
 FORMAT_VERSION = 2
@@ -84,11 +85,11 @@ class BoundaryTensor:
         return rng.standard_normal(shape).astype(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        return to_data(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> BoundaryTensor:
-        return cls(name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]))
+    def from_json(cls, data: Any) -> BoundaryTensor:
+        return load_dataclass(cls, data, error=ManifestError)
 
 
 @dataclass(frozen=True)
@@ -186,57 +187,15 @@ class Manifest:
         return tuple(stage.blocks[0] for stage in self.stages[1:])
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["model_input"] = [t.to_json() for t in self.model_input]
-        data["model_output"] = self.model_output.to_json()
-        data["labels"] = [t.to_json() for t in self.labels]
-        data["stages"] = [stage_to_json(s) for s in self.stages]
-        return {"format": self.format, "format_version": self.format_version, **data}
+        return {"format": self.format, "format_version": self.format_version, **to_data(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         _check_format(data)
         try:
-            return cls(
-                source_sha256=data["source_sha256"],
-                source_name=data["source_name"],
-                training=TrainingConfig(**{**data["training"], "betas": tuple(data["training"]["betas"])}),
-                stages=tuple(stage_from_json(s) for s in data["stages"]),
-                model_input=tuple(BoundaryTensor.from_json(t) for t in data["model_input"]),
-                model_output=BoundaryTensor.from_json(data["model_output"]),
-                labels=tuple(BoundaryTensor.from_json(t) for t in data["labels"]),
-                blocks=tuple(data["blocks"]),
-                metadata=dict(data.get("metadata", {})),
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            raise ManifestError(f"manifest is malformed: {type(error).__name__}: {error}") from None
-
-
-def stage_to_json(stage: StageEntry) -> dict[str, Any]:
-    data = asdict(stage)
-    data["inputs"] = [t.to_json() for t in stage.inputs]
-    data["outputs"] = [t.to_json() for t in stage.outputs]
-    data["labels"] = [t.to_json() for t in stage.labels]
-    data["parameters"] = [{**asdict(p), "shape": list(p.shape)} for p in stage.parameters]
-    return data
-
-
-def stage_from_json(data: dict[str, Any]) -> StageEntry:
-    return StageEntry(
-        index=int(data["index"]),
-        blocks=tuple(data["blocks"]),
-        inputs=tuple(BoundaryTensor.from_json(t) for t in data["inputs"]),
-        outputs=tuple(BoundaryTensor.from_json(t) for t in data["outputs"]),
-        parameters=tuple(ParameterInfo(p["name"], tuple(p["shape"]), p["dtype"], p["trainable"])
-                         for p in data["parameters"]),
-        artifacts=tuple(ArtifactFile(**a) for a in data["artifacts"]),
-        flops_per_sample=int(data["flops_per_sample"]),
-        buffer_updates=dict(data.get("buffer_updates", {})),
-        input_gradients=dict(data.get("input_gradients", {})),
-        output_gradients=dict(data.get("output_gradients", {})),
-        labels=tuple(BoundaryTensor.from_json(t) for t in data.get("labels", [])),
-        saved=tuple(data.get("saved", [])),
-    )
+            return load_dataclass(cls, data, error=ManifestError)
+        except ManifestError as error:
+            raise ManifestError(f"manifest is malformed: {error}") from None
 
 
 def _check_format(data: Any) -> None:

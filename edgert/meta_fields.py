@@ -1,7 +1,8 @@
 """Reading typed fields out of a message's ``meta`` map: one strict rule per kind of field.
 
 Each reader raises KeyError (missing), TypeError or ValueError (wrong type or range) naming the
-field; :func:`why` turns that into one line. :mod:`edgert.protocol` builds its messages with them.
+field; :func:`why` turns that into one line. :mod:`edgert.protocol` builds its flat messages with them
+(the nested stage assignment is read by :mod:`edgert.typed_data`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,6 @@ def integer(meta: dict, key: str, default: Any = REQUIRED, minimum: int = 0) -> 
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
     return value
-
-
-def number(meta: dict, key: str, default: float) -> float:
-    value = meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
-    return float(value)
 
 
 def real(meta: dict, key: str, default: Any = REQUIRED, finite: bool = True) -> float:

@@ -20,25 +20,29 @@ naming the field) for anything malformed; handlers only see typed messages.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from edgert import meta_fields as fields
 from edgert.errors import ProtocolError
-from edgert.manifest import MEMORY_MODES, StageEntry, TrainingConfig, stage_from_json, stage_to_json
+from edgert.manifest import ArtifactFile, StageEntry, needed_roles
+from edgert.run_settings import RunSettings
 from edgert.schedule import SCHEDULES, MicroBatch, Schedule, Window, split_batch
-from edgert.transport import BadRequest, Envelope, get_codec
+from edgert.transport import BadRequest, Envelope
+from edgert.transport.urls import parse_url
+from edgert.typed_data import at_least, load_dataclass, satisfies, to_data
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
 MIGRATE, PROFILE, PROBE, ECHO, REPLICA, JOIN = "migrate", "profile", "probe", "echo", "replica", "join"
 ACT, GRAD, LABELS = "act", "grad", "labels"
 DATA_KINDS = {ACT: "activations", GRAD: "gradients"}
 SELF = "self"  # a migration source meaning "the state this worker held itself"
+SIGNATURE, CRL = "signature", "crl"  # a stage's meta fields set by its signer (edgert.security.admission)
 MAX_REASON_BYTES = 1024  # a /stop reason
 INBOX_CAPACITY = 256  # messages a worker's inbox holds; the coordinator feeds no further ahead than fits
 MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one window per step)
@@ -82,110 +86,83 @@ def read_request(parse: Callable[[Any], T], body: Any) -> T:
         raise BadRequest(str(error)) from None
 
 
+def _url(value: str) -> bool:
+    """A worker or coordinator URL (raises ValueError with the reason otherwise)."""
+    parse_url(value)
+    return True
+
+
+OPTIONAL_URL = satisfies(lambda value: value == "" or _url(value), "must be a worker URL or \"\"")
+
+
 @dataclass(frozen=True)
 class Peers:
     """Where a stage sends activations, gradients and reports; over TLS the neighbours' credential names
     are the only senders of its activations (``previous_name``) and gradients (``next_name``)."""
 
-    previous: str | None
-    next: str | None
-    coordinator: str
+    previous: str | None = field(metadata=OPTIONAL_URL)  # None (or ""): the first stage
+    next: str | None = field(metadata=OPTIONAL_URL)  # None (or ""): the last stage
+    coordinator: str = field(metadata=OPTIONAL_URL)  # "": none (a stage sent to be profiled)
     previous_name: str | None = None
     next_name: str | None = None
-
-    @classmethod
-    def from_meta(cls, meta: Any) -> Peers:
-        if not isinstance(meta, dict):
-            raise ProtocolError(f"meta.peers must be a map, got {type(meta).__name__}")
-        unknown = set(meta) - {"previous", "next", "coordinator", "previous_name", "next_name"}
-        if unknown:
-            raise ProtocolError(f"meta.peers has unknown field(s) {sorted(map(str, unknown))}")
-        peers = cls(previous=meta.get("previous"), next=meta.get("next"), coordinator=meta.get("coordinator"),
-                    previous_name=meta.get("previous_name"), next_name=meta.get("next_name"))
-        for name in ("previous", "next"):  # none at the pipeline's ends
-            if getattr(peers, name) not in (None, ""):
-                fields.url(getattr(peers, name), f"meta.peers.{name}")
-        if peers.coordinator != "":  # "": none (a stage sent to be profiled)
-            fields.url(peers.coordinator, "meta.peers.coordinator")
-        for name in ("previous_name", "next_name"):
-            if not isinstance(getattr(peers, name), (str, type(None))):
-                raise ProtocolError(f"meta.peers.{name} must be a worker name or null")
-        return peers
 
 
 @dataclass(frozen=True)
 class StageAssignment:
-    """``PUT /stage``: which stage a worker trains, with its artifact files."""
+    """``PUT /stage`` (and ``POST /profile``): which stage a worker trains, under the run's settings.
+
+    ``meta`` is every field but ``run_id`` (the envelope's), written and read by
+    :mod:`edgert.typed_data` (docs/PROTOCOL.md, "The stage assignment"); the artifact files
+    travel as uint8 tensors named by role.
+    """
 
     run_id: str
     entry: StageEntry
-    training: TrainingConfig
-    stages: int
+    stages: int = field(metadata=at_least(1))
     peers: Peers
-    forward_codec: str = "none"
-    backward_codec: str = "none"
-    forward_threads: int = 1
-    backward_threads: int = 1
-    wait_timeout: float = 120.0
-    memory_mode: str = "recompute"
-    replicate_every: int = 0  # steps between replicas to the next workers (0: never)
-    central_every: int = 0  # steps between copies to the coordinator (0: never)
-    replica_targets: tuple[str, ...] = ()
+    settings: RunSettings
+    replica_targets: tuple[str, ...] = field(default=(), metadata=satisfies(
+        lambda urls: all(_url(u) for u in urls), "must be worker URLs"))
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The artifact roles this stage needs (its memory mode decides the stash files)."""
+        return needed_roles(self.entry, self.settings.memory_mode)
+
+    @property
+    def artifacts(self) -> tuple[ArtifactFile, ...]:
+        """The entry's artifact files the worker gets: those of :attr:`roles`."""
+        return tuple(a for a in self.entry.artifacts if a.role in self.roles)
+
+    def read_files(self, plan_dir: Path) -> dict[str, bytes]:
+        """The files to send with this assignment, by role, read from the plan folder."""
+        return {a.role: (plan_dir / a.path).read_bytes() for a in self.artifacts}
 
     def to_envelope(self, files: dict[str, bytes]) -> Envelope:
-        meta = {
-            "entry": json.dumps(stage_to_json(self.entry)),
-            "training": json.dumps(asdict(self.training)),
-            "stages": self.stages,
-            "peers": asdict(self.peers),
-            "forward_codec": self.forward_codec,
-            "backward_codec": self.backward_codec,
-            "forward_threads": self.forward_threads,
-            "backward_threads": self.backward_threads,
-            "wait_timeout": self.wait_timeout,
-            "memory_mode": self.memory_mode,
-            "replicate_every": self.replicate_every,
-            "central_every": self.central_every,
-            "replica_targets": list(self.replica_targets),
-        }
+        meta = to_data(self)
+        del meta["run_id"]
         tensors = {role: np.frombuffer(data, dtype=np.uint8) for role, data in files.items()}
         return Envelope(kind="stage", run_id=self.run_id, stage=self.entry.index, tensors=tensors, meta=meta)
 
     @classmethod
-    def from_envelope(cls, envelope: Envelope) -> tuple[StageAssignment, dict[str, bytes]]:
-        meta = envelope.meta
+    def from_envelope(cls, envelope: Envelope,
+                      beside: tuple[str, ...] = ()) -> tuple[StageAssignment, dict[str, bytes]]:
+        """The assignment and its files; ``meta`` may hold nothing else but the signature fields and
+        ``beside`` (another message's fields sharing the meta: ``POST /profile``'s options)."""
+        meta = {key: value for key, value in envelope.meta.items() if key not in (SIGNATURE, CRL, *beside)}
+        if "run_id" in meta:
+            raise ProtocolError("stage assignment is malformed: unknown field 'run_id' (the envelope's run_id "
+                                "names the run)")
         try:
-            training = json.loads(meta["training"])
-            assignment = cls(
-                run_id=envelope.run_id,
-                entry=stage_from_json(json.loads(meta["entry"])),
-                training=TrainingConfig(**{**training, "betas": tuple(training["betas"])}),
-                stages=fields.integer(meta, "stages", minimum=1),
-                peers=Peers.from_meta(meta["peers"]),
-                forward_codec=fields.text(meta, "forward_codec", "none"),
-                backward_codec=fields.text(meta, "backward_codec", "none"),
-                forward_threads=fields.integer(meta, "forward_threads", 1, 1),
-                backward_threads=fields.integer(meta, "backward_threads", 1, 1),
-                wait_timeout=fields.number(meta, "wait_timeout", 120.0),
-                memory_mode=fields.text(meta, "memory_mode", "recompute"),
-                replicate_every=fields.integer(meta, "replicate_every", 0, 0),
-                central_every=fields.integer(meta, "central_every", 0, 0),
-                replica_targets=tuple(fields.url(u, "meta.replica_targets[]")
-                                      for u in fields.listed(meta, "replica_targets", [])),
-            )
-            for codec in (assignment.forward_codec, assignment.backward_codec):
-                get_codec(codec)
-        except fields.MALFORMED as error:
-            raise ProtocolError(f"stage assignment is malformed: {fields.why(error)}") from None
+            assignment = load_dataclass(cls, {**meta, "run_id": envelope.run_id}, "meta", ProtocolError)
+        except ProtocolError as error:
+            raise ProtocolError(f"stage assignment is malformed: {error}") from None
         entry = assignment.entry
         if not assignment.run_id:
             raise ProtocolError("stage assignment has no run_id")
         if envelope.stage != entry.index or entry.index >= assignment.stages:
             raise ProtocolError(f"stage assignment: envelope stage {envelope.stage}, entry index {entry.index} and "
                                 f"{assignment.stages} stages do not agree")
-        if assignment.memory_mode not in MEMORY_MODES:
-            raise ProtocolError(f"stage assignment: memory_mode {assignment.memory_mode!r} is not one of "
-                                f"{', '.join(MEMORY_MODES)}")
         files = {}
         for role, array in envelope.tensors.items():
             if array.dtype != np.uint8 or array.ndim != 1:

@@ -16,6 +16,8 @@ from edgert.cli import main
 from edgert.cli.keys import INSECURE_WARNING, default_listen, host_keys, worker_credentials
 from edgert.cli.params import CoapUrl, CoapUrlList, CodecSpec
 from edgert.errors import EdgertError
+from edgert.manifest import MEMORY_MODES
+from edgert.run_settings import RunSettings
 from edgert.schedule import SCHEDULES
 from edgert.transport.coap_tcp import DEFAULT_PORT
 
@@ -115,12 +117,13 @@ async def _serve(worker) -> None:
 @click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=None, help="Override the plan's learning rate.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--codec", type=CodecSpec(), default="none", show_default=True,
+@click.option("--codec", type=CodecSpec(), default=RunSettings.forward_codec, show_default=True,
               help="Codec for activations: none, fp16, int8, int4 (int8:axis=1: per channel).")
-@click.option("--grad-codec", type=CodecSpec(), default="none", show_default=True,
+@click.option("--grad-codec", type=CodecSpec(), default=RunSettings.backward_codec, show_default=True,
               help="Codec for gradients: none, fp16, int8, int4, topk:RATIO (e.g. topk:0.01) or topk:k=N.")
-@click.option("--threads", type=int, default=1, show_default=True, help="ORT intra-op threads per worker session.")
-@click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True,
+@click.option("--threads", type=int, default=RunSettings.forward_threads, show_default=True,
+              help="ORT intra-op threads per worker session.")
+@click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=RunSettings.memory_mode, show_default=True,
               help="recompute: keep each in-flight micro-batch's inputs, recompute its forward in the backward; "
                    "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -133,7 +136,7 @@ async def _serve(worker) -> None:
               help="Cluster keystore (default $EDGERT_KEYS or ~/.edgert/cluster; edgert keys init).")
 @click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
 @click.option("--advertise", default=None, help="Host workers reach this coordinator at (default: auto).")
-@click.option("--step-timeout", type=float, default=120.0, show_default=True)
+@click.option("--step-timeout", type=float, default=RunSettings.wait_timeout, show_default=True)
 @click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="Move the cuts while training when measured stage times drift.")
 @click.option("--replan-every", type=int, default=10, show_default=True, help="Steps between re-planning checks.")
@@ -143,9 +146,9 @@ async def _serve(worker) -> None:
               "indices). Repeatable.")
 @click.option("--devices", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="devices.json from `edgert profile`, for re-planning.")
-@click.option("--replicate-every", type=int, default=20, show_default=True,
+@click.option("--replicate-every", type=int, default=RunSettings.replicate_every, show_default=True,
               help="Steps between each stage's copies to the next workers (0: off).")
-@click.option("--central-every", type=int, default=100, show_default=True,
+@click.option("--central-every", type=int, default=RunSettings.central_every, show_default=True,
               help="Steps between copies to this coordinator, kept on disk (0: off).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Neighbours each stage's copy goes to.")
 @click.option("--resume", "resume_run", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -233,7 +236,7 @@ def print_summary(summary, as_json: bool) -> None:
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--micro-batch", type=int, default=16, show_default=True, help="Samples per measured micro-batch.")
 @click.option("--repeats", type=int, default=5, show_default=True)
-@click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True,
+@click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=RunSettings.memory_mode, show_default=True,
               help="Measure the backward as training will run it (edgert train --memory-mode).")
 @click.option("--keys", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Cluster keystore (default $EDGERT_KEYS or ~/.edgert/cluster).")

@@ -16,29 +16,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgert.coordinator.errors import AssignmentError
-from edgert.manifest import Manifest, TrainingConfig, needed_roles
+from edgert.manifest import Manifest, TrainingConfig
 from edgert.protocol import MIGRATE, SELF, STAGE, Peers, StageAssignment
+from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.transport import Envelope, TensorClient, TransportError
 
 
 @dataclass(frozen=True)
-class LinkSettings:
-    """Per-run settings every stage gets."""
+class RunBriefing:
+    """What the coordinator tells every stage of a run (its settings, where to report) and how: how many
+    ring neighbours get each stage's copies, and the cluster key that signs it (None: --insecure)."""
 
     run_id: str
     coordinator_url: str
-    training: TrainingConfig
-    forward_codec: str = "none"
-    backward_codec: str = "none"
-    forward_threads: int = 1
-    backward_threads: int = 1
-    wait_timeout: float = 120.0
-    memory_mode: str = "recompute"
-    replicate_every: int = 0
-    central_every: int = 0
-    replicas: int = 1
-    signing: StageSigning | None = None  # signs each stage with the cluster key (None: --insecure)
+    settings: RunSettings
+    replicas: int
+    signing: StageSigning | None
 
 
 @dataclass(frozen=True)
@@ -51,28 +45,22 @@ class Migration:
 
 
 async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str],
-                 settings: LinkSettings) -> None:
+                 briefing: RunBriefing) -> None:
     """Send stage ``k`` of ``manifest`` to worker ``order[k]``, all at once."""
     stages = len(manifest.stages)
 
     async def one(k: int) -> None:
         entry = manifest.stages[k]
         peers = Peers(previous=order[k - 1] if k > 0 else None, next=order[k + 1] if k + 1 < stages else None,
-                      coordinator=settings.coordinator_url, previous_name=names[k - 1] if k > 0 else None,
+                      coordinator=briefing.coordinator_url, previous_name=names[k - 1] if k > 0 else None,
                       next_name=names[k + 1] if k + 1 < stages else None)
-        assignment = StageAssignment(
-            run_id=settings.run_id, entry=entry, training=settings.training, stages=stages, peers=peers,
-            forward_codec=settings.forward_codec, backward_codec=settings.backward_codec,
-            forward_threads=settings.forward_threads, backward_threads=settings.backward_threads,
-            wait_timeout=settings.wait_timeout, memory_mode=settings.memory_mode,
-            replicate_every=settings.replicate_every, central_every=settings.central_every,
-            replica_targets=ring_neighbours(order, k, settings.replicas))
-        roles = needed_roles(entry, settings.memory_mode)
-        files = {a.role: (plan_dir / a.path).read_bytes() for a in entry.artifacts if a.role in roles}
+        assignment = StageAssignment(run_id=briefing.run_id, entry=entry, stages=stages, peers=peers,
+                                     settings=briefing.settings,
+                                     replica_targets=ring_neighbours(order, k, briefing.replicas))
         try:
-            envelope = assignment.to_envelope(files)
-            if settings.signing is not None:
-                settings.signing.apply(envelope)
+            envelope = assignment.to_envelope(assignment.read_files(plan_dir))
+            if briefing.signing is not None:
+                briefing.signing.apply(envelope)
             await client.request("PUT", order[k], STAGE, envelope, timeout=120.0)
         except TransportError as error:
             raise AssignmentError(f"worker {names[k]} ({order[k]}) refused stage {k}: {error}") from None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgert.coordinator.assignment import LinkSettings, assign, with_learning_rate
+from edgert.coordinator.assignment import RunBriefing, assign, with_learning_rate
 from edgert.coordinator.data import Batch, batches, load_training_data
 from edgert.coordinator.errors import AssignmentError, TrainingError, WorkerFailure
 from edgert.coordinator.evaluation import Evaluation
@@ -39,8 +39,9 @@ from edgert.coordinator.runlog import RUN_FILE, RunLog, claim_run_folder, new_ru
 from edgert.coordinator.segments import SegmentRunner, next_segment
 from edgert.coordinator.snapshots import CentralCopies
 from edgert.errors import EdgertError
-from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, load_manifest
+from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, TrainingConfig, load_manifest
 from edgert.protocol import HEALTH, REPORT, STOP, Health
+from edgert.run_settings import RunSettings
 from edgert.schedule import SCHEDULES
 from edgert.transport import ClientConfig, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.urls import parse_url
@@ -64,12 +65,12 @@ class TrainConfig:
     learning_rate: float | None = None
     seed: int = 0
     lookahead: int = 8
-    forward_codec: str = "none"
-    backward_codec: str = "none"
-    forward_threads: int = 1
-    backward_threads: int = 1
+    forward_codec: str = RunSettings.forward_codec
+    backward_codec: str = RunSettings.backward_codec
+    forward_threads: int = RunSettings.forward_threads
+    backward_threads: int = RunSettings.backward_threads
     connect_timeout: float = 5.0
-    step_timeout: float = 120.0
+    step_timeout: float = RunSettings.wait_timeout
     listen: str = "coap+tcp://0.0.0.0:0"
     advertise: str | None = None
     progress: bool = True
@@ -78,13 +79,21 @@ class TrainConfig:
     replan_threshold: float = 0.1
     replan_at: tuple[tuple[int, tuple[int, ...] | None], ...] = ()  # forced: (before step, block cuts or None)
     devices: Path | None = None
-    memory_mode: str = "recompute"  # recompute | stash
-    replicate_every: int = 20  # steps between each stage's copies to the next workers (0: off)
-    central_every: int = 100  # steps between copies to the coordinator, kept on disk (0: off)
+    memory_mode: str = RunSettings.memory_mode
+    replicate_every: int = RunSettings.replicate_every
+    central_every: int = RunSettings.central_every  # its copies are kept on disk
     replicas: int = 1  # neighbours each stage's copy goes to
     resume: bool = False  # continue the run in out_dir from its newest snapshot
     overwrite: bool = False  # out_dir may hold another run: its records are removed
     keys: Path | None = None  # the cluster keystore (edgert keys init); None: plaintext (--insecure)
+
+    def run_settings(self, training: TrainingConfig) -> RunSettings:
+        """What every stage of this run is told, training by ``training`` (the plan's, ``--lr`` applied)."""
+        return RunSettings(training=with_learning_rate(training, self.learning_rate),
+                           forward_codec=self.forward_codec, backward_codec=self.backward_codec,
+                           forward_threads=self.forward_threads, backward_threads=self.backward_threads,
+                           wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
+                           replicate_every=self.replicate_every, central_every=self.central_every)
 
 
 class Coordinator:
@@ -246,14 +255,10 @@ class Coordinator:
         """What every stage assignment of this run carries."""
         scheme, _, port = parse_url(self.server.urls[0])
         host = self.config.advertise or _local_address_towards(self.config.workers[0])
-        self.state.settings = LinkSettings(
+        self.state.settings = RunBriefing(
             run_id=self.run_id, coordinator_url=f"{scheme}://{host}:{port}",
-            training=with_learning_rate(self.state.manifest.training, self.config.learning_rate),
-            forward_codec=self.config.forward_codec, backward_codec=self.config.backward_codec,
-            forward_threads=self.config.forward_threads, backward_threads=self.config.backward_threads,
-            wait_timeout=self.config.step_timeout, memory_mode=self.config.memory_mode,
-            replicate_every=self.config.replicate_every, central_every=self.config.central_every,
-            replicas=self.config.replicas, signing=None if self.security is None else self.security.signing)
+            settings=self.config.run_settings(self.state.manifest.training), replicas=self.config.replicas,
+            signing=None if self.security is None else self.security.signing)
 
     async def _assign_stages(self) -> None:
         self._prepare_settings()

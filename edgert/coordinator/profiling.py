@@ -20,8 +20,9 @@ from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile
 from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.source import load_source_model
-from edgert.manifest import Manifest, TrainingConfig, needed_roles
+from edgert.manifest import Manifest, TrainingConfig
 from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, StageAssignment
+from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.security.keystore import HostSecurity
 from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
@@ -57,7 +58,7 @@ def export_profile_plans(model_path: str | Path, out_dir: Path,
 
 
 def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = 16, repeats: int = 5,
-                    progress: Progress = lambda _: None, memory_mode: str = "recompute",
+                    progress: Progress = lambda _: None, memory_mode: str = RunSettings.memory_mode,
                     security: HostSecurity | None = None) -> DevicesFile:
     """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking.
 
@@ -108,7 +109,8 @@ async def _name(client: TensorClient, url: str) -> str:
 
 async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, name: str, micro_batch: int,
                          repeats: int, progress: Progress = lambda _: None,
-                         memory_mode: str = "recompute", signing: StageSigning | None = None) -> DeviceProfile:
+                         memory_mode: str = RunSettings.memory_mode,
+                         signing: StageSigning | None = None) -> DeviceProfile:
     """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``)."""
     timings = []
     for entry, unit in zip(plans.units.stages, unit_names(plans.units)):
@@ -127,11 +129,10 @@ async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, na
 async def _measure(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry, micro_batch: int,
                    repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
     """``POST /profile`` one stage of ``manifest`` to the worker at ``url``; its reply's meta."""
-    assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, training=manifest.training,
-                                 stages=len(manifest.stages), peers=Peers(None, None, ""), memory_mode=memory_mode)
-    roles = needed_roles(entry, memory_mode)
-    files = {a.role: (plan / a.path).read_bytes() for a in entry.artifacts if a.role in roles}
-    envelope = assignment.to_envelope(files)
+    settings = RunSettings(training=manifest.training, memory_mode=memory_mode)
+    assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, stages=len(manifest.stages),
+                                 peers=Peers(None, None, ""), settings=settings)
+    envelope = assignment.to_envelope(assignment.read_files(plan))
     envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, stage=envelope.stage, tensors=envelope.tensors,
                         meta={**envelope.meta, "micro_batch": micro_batch, "repeats": repeats})
     if signing is not None:

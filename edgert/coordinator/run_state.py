@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgert.coordinator.assignment import LinkSettings
+from edgert.coordinator.assignment import RunBriefing
 from edgert.manifest import Manifest
 
 
@@ -29,7 +29,7 @@ class RunState:
     names: list[str] = field(default_factory=list)  # worker name of each stage
     known: dict[str, str] = field(default_factory=dict)  # worker URL -> name: every worker, idle ones too
     announced_through: int = -1  # the last step of the segments sent to the workers (copies come after)
-    settings: LinkSettings | None = None  # what every stage assignment of this run carries
+    settings: RunBriefing | None = None  # what every stage assignment of this run carries
 
     def place(self, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str]) -> None:
         """The cuts moved: ``manifest``'s stages (built in ``plan_dir``) run on ``order``, named ``names``."""

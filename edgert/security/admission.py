@@ -22,15 +22,13 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from edgert.errors import EdgertError
-from edgert.manifest import needed_roles
-from edgert.protocol import StageAssignment
+from edgert.protocol import CRL, SIGNATURE, StageAssignment
 from edgert.security.errors import AdmissionRefused
 from edgert.security.onnx_scan import scan_model
 from edgert.transport import Envelope
 from edgert.transport.tls import Revocations
 
 SIGNATURE_DOMAIN = b"edgert stage assignment v1\x00"
-SIGNATURE, CRL = "signature", "crl"  # meta fields not covered by the signature
 
 Signer = Callable[[bytes], bytes]
 """``sign(data) -> signature`` by the cluster key (host side: :meth:`Keystore.sign`)."""
@@ -102,13 +100,10 @@ def vet_stage_files(assignment: StageAssignment, files: dict[str, bytes]) -> Non
     """Refuse, before anything is written or stopped, a stage whose files are missing, do not match
     the manifest's sha256, or hold a graph with a forbidden op domain or external data."""
     entry = assignment.entry
-    roles = needed_roles(entry, assignment.memory_mode)
-    missing = [role for role in roles if role not in files]
+    missing = [role for role in assignment.roles if role not in files]
     if missing:
         raise EdgertError(f"artifact(s) {', '.join(missing)} missing from the assignment")
-    for artifact in entry.artifacts:
-        if artifact.role not in roles:
-            continue
+    for artifact in assignment.artifacts:
         what = f"stage {entry.index} {artifact.role}"
         actual = hashlib.sha256(files[artifact.role]).hexdigest()
         if actual != artifact.sha256:

@@ -27,7 +27,8 @@ class MeasureResources:
         """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
         self._admit(request.envelope)
         try:
-            assignment, files = StageAssignment.from_envelope(request.envelope)
+            profile_fields = tuple(f.name for f in dataclasses.fields(ProfileOptions))
+            assignment, files = StageAssignment.from_envelope(request.envelope, beside=profile_fields)
             vet_stage_files(assignment, files)
             options = ProfileOptions.from_envelope(request.envelope)
         except ProtocolError as error:

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from edgert.errors import EdgertError, ProtocolError
-from edgert.manifest import needed_roles
 from edgert.protocol import (
     ACT,
     BATCH,
@@ -264,17 +263,14 @@ class Worker(InputResources, StateResources, MeasureResources):
         entry = assignment.entry
         folder = self._workdir / assignment.run_id / (folder_name or f"stage{entry.index}-{'-'.join(entry.blocks)}")
         folder.mkdir(parents=True, exist_ok=True)
-        roles = needed_roles(entry, assignment.memory_mode)
-        for artifact in entry.artifacts:
-            if artifact.role not in roles:
-                continue
-            path = folder / Path(artifact.path).name
-            path.write_bytes(files[artifact.role])
+        for artifact in assignment.artifacts:
+            (folder / Path(artifact.path).name).write_bytes(files[artifact.role])
         local = dataclasses.replace(entry, artifacts=tuple(
             dataclasses.replace(a, path=Path(a.path).name) for a in entry.artifacts))
-        threads = Threads(assignment.forward_threads, assignment.backward_threads)
-        return StageSession(local, folder, assignment.training, threads, assignment.memory_mode,
-                            self.config.providers)
+        settings = assignment.settings
+        return StageSession(local, folder, settings.training, Threads(settings.forward_threads,
+                                                                      settings.backward_threads),
+                            settings.memory_mode, self.config.providers)
 
     def _install(self, assignment: StageAssignment, session: StageSession) -> None:
         if self.session is not None and self.assignment.run_id == assignment.run_id:
@@ -290,10 +286,10 @@ class Worker(InputResources, StateResources, MeasureResources):
         self.outbox.forget()
         self.inbox.reset()
         self.assignment, self.session = assignment, session
-        self._codecs = {"forward": get_codec(assignment.forward_codec),
-                        "backward": get_codec(assignment.backward_codec)}
+        settings = assignment.settings
+        self._codecs = {"forward": get_codec(settings.forward_codec), "backward": get_codec(settings.backward_codec)}
         self.executor = StageExecutor(session, assignment.entry.index, self.inbox, self._send_forward,
-                                      self._send_backward, self.config.slowdown, assignment.wait_timeout,
+                                      self._send_backward, self.config.slowdown, settings.wait_timeout,
                                       before_wait=self._flush_reports)
         self.health = Health(name=self.config.name, state="loaded", run_id=assignment.run_id,
                              stage=assignment.entry.index, slowdown=str(self.config.slowdown))
@@ -419,7 +415,7 @@ class Worker(InputResources, StateResources, MeasureResources):
     def _replicate(self, report: StepReport) -> None:
         """Every ``replicate_every`` steps: keep a snapshot, send it to the next workers (and the coordinator,
         every ``central_every`` steps and after the segment's ``checkpoint_steps``)."""
-        every, central = self.assignment.replicate_every, self.assignment.central_every
+        every, central = self.assignment.settings.replicate_every, self.assignment.settings.central_every
         to_peers = every and (report.step + 1) % every == 0
         to_coordinator = (central and (report.step + 1) % central == 0) or any(
             report.step in segment.checkpoint_steps for segment in tuple(self._segments))

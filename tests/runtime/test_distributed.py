@@ -21,6 +21,7 @@ from edgert.exporter.merge import merge_run
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, load_dataset, save_model
 from edgert.protocol import RUN, STAGE, STOP, Peers, Segment, StageAssignment
+from edgert.run_settings import RunSettings
 from edgert.transport import BadRequest, Envelope, SyncClient
 from edgert.weights import load_state
 
@@ -130,8 +131,9 @@ def test_worker_refuses_a_stage_whose_file_fails_its_hash(cluster, plans):
     entry = manifest.stages[1]
     files = {a.role: (plans[3] / a.path).read_bytes() for a in entry.artifacts}
     files["backward"] = files["backward"][:-1] + bytes([files["backward"][-1] ^ 1])
-    assignment = StageAssignment(run_id="tamper", entry=entry, training=manifest.training, stages=3,
-                                 peers=Peers(None, None, "coap+tcp://127.0.0.1:9"))
+    assignment = StageAssignment(run_id="tamper", entry=entry, stages=3,
+                                 peers=Peers(None, None, "coap+tcp://127.0.0.1:9"),
+                                 settings=RunSettings(manifest.training))
     with SyncClient.start() as client:
         with pytest.raises(BadRequest, match="backward.onnx does not match the manifest"):
             client.request("PUT", cluster.urls[1], STAGE, assignment.to_envelope(files))
@@ -143,8 +145,8 @@ def test_worker_refuses_tensors_of_the_wrong_shape(cluster, plans):
     entry = manifest.stages[1]
     files = {a.role: (plans[3] / a.path).read_bytes() for a in entry.artifacts}
     nowhere = "coap+tcp://127.0.0.1:9"
-    assignment = StageAssignment(run_id="shapes", entry=entry, training=manifest.training, stages=3,
-                                 peers=Peers(nowhere, nowhere, nowhere))
+    assignment = StageAssignment(run_id="shapes", entry=entry, stages=3, peers=Peers(nowhere, nowhere, nowhere),
+                                 settings=RunSettings(manifest.training))
     (spec,) = entry.inputs
     good = [4 if d == "N" else int(d) for d in spec.shape]
     with SyncClient.start() as client:

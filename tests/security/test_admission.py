@@ -20,8 +20,9 @@ from edgert.worker.inbox import Inbox
 
 def _stage() -> Envelope:
     return Envelope(kind="stage", run_id="r1", stage=1, tensors={"training": np.arange(8, dtype=np.uint8)},
-                    meta={"entry": '{"index": 1, "artifacts": [{"sha256": "ab"}]}', "training": "{}", "stages": 3,
-                          "peers": {"previous": "a", "next": None}, "wait_timeout": 120.0})
+                    meta={"entry": {"index": 1, "artifacts": [{"sha256": "ab"}]}, "stages": 3,
+                          "peers": {"previous": "a", "next": None},
+                          "settings": {"training": {}, "wait_timeout": 120.0}})
 
 
 def _admission(cluster) -> Admission:
@@ -33,8 +34,9 @@ def test_a_signed_stage_is_admitted_and_any_change_is_refused(cluster):
     admission = _admission(cluster)
     admission.check_assignment(signing.apply(_stage()))
     assert len(admission.revocations) == 1  # the CRL it carried names the revoked device
-    for change in (lambda e: e.meta.__setitem__("entry", e.meta["entry"].replace("ab", "cd")),
-                   lambda e: e.meta.__setitem__("wait_timeout", 1e9),
+    for change in (lambda e: e.meta["entry"]["artifacts"][0].__setitem__("sha256", "cd"),
+                   lambda e: e.meta["settings"].__setitem__("wait_timeout", 1e9),
+                   lambda e: e.meta["settings"].__setitem__("wait_timeout", 120),  # same value, another type
                    lambda e: e.meta["peers"].__setitem__("next", "coaps+tcp://evil:1")):
         tampered = signing.apply(_stage())
         change(tampered)

@@ -19,6 +19,7 @@ from edgert.errors import ReplicaStoreFull
 from edgert.manifest import load_manifest
 from edgert.protocol import REPLICA, RUN, STAGE, Peers, Segment, StageAssignment
 from edgert.replica import SELF_ORIGIN, CopyStore, holdings_from_meta
+from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.transport import ClientConfig, Envelope, SyncClient
 from edgert.transport.limits import MiB
@@ -35,9 +36,10 @@ def stage1(plan: Path, coordinator: str = NOWHERE) -> Envelope:
     manifest = load_manifest(plan)
     entry = manifest.stages[1]
     files = {a.role: (plan / a.path).read_bytes() for a in entry.artifacts}
-    assignment = StageAssignment(run_id=RUN_ID, entry=entry, training=manifest.training, stages=3,
-                                 peers=Peers(NOWHERE, NOWHERE, coordinator), wait_timeout=3600.0,
-                                 replicate_every=5, replica_targets=(NOWHERE,))
+    assignment = StageAssignment(
+        run_id=RUN_ID, entry=entry, stages=3, peers=Peers(NOWHERE, NOWHERE, coordinator),
+        settings=RunSettings(manifest.training, wait_timeout=3600.0, replicate_every=5, central_every=0),
+        replica_targets=(NOWHERE,))
     return assignment.to_envelope(files)
 
 

@@ -22,6 +22,7 @@ from edgert.exporter.export import ExportOptions, export_plan
 from edgert.manifest import TrainingConfig, load_manifest, needed_roles
 from edgert.models import build_model, save_model
 from edgert.protocol import STAGE, Peers, StageAssignment
+from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.transport import Envelope, PeerUnreachable, TensorClient, encode_envelope
 from edgert.transport.errors import Forbidden, TooLarge, Unauthorized
@@ -82,8 +83,9 @@ def _stage_envelope(plan: Path, index: int, tamper_graph: bool = False) -> Envel
         artifacts = tuple(dataclasses.replace(a, sha256=hashlib.sha256(files["backward"]).hexdigest())
                           if a.role == "backward" else a for a in entry.artifacts)
         entry = dataclasses.replace(entry, artifacts=artifacts)
-    assignment = StageAssignment(run_id="attack", entry=entry, training=manifest.training,
-                                 stages=len(manifest.stages), peers=Peers(None, None, "coaps+tcp://127.0.0.1:9"))
+    assignment = StageAssignment(run_id="attack", entry=entry, stages=len(manifest.stages),
+                                 peers=Peers(None, None, "coaps+tcp://127.0.0.1:9"),
+                                 settings=RunSettings(manifest.training))
     return assignment.to_envelope(files)
 
 
@@ -105,7 +107,7 @@ async def _attack_while_training(cluster, plan, urls) -> dict[str, str]:
     await refused("worker_commands", cluster.tls(cluster.workers[3]), Forbidden, "PUT", STAGE,
                   signing.apply(_stage_envelope(plan, 1)))
     tampered = signing.apply(_stage_envelope(plan, 1))
-    tampered.meta["training"] = tampered.meta["training"].replace('"learning_rate": ', '"learning_rate": 1')
+    tampered.meta["settings"]["training"]["learning_rate"] += 10
     await refused("tampered_manifest", cluster.coordinator, Forbidden, "PUT", STAGE, tampered)
     await refused("unsigned_manifest", cluster.coordinator, Forbidden, "PUT", STAGE, _stage_envelope(plan, 1))
     await refused("forbidden_domain", cluster.coordinator, Forbidden, "PUT", STAGE,

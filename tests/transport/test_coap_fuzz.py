@@ -25,6 +25,7 @@ from edgert.exporter.export import ExportOptions, export_plan
 from edgert.manifest import TrainingConfig, load_manifest, needed_roles
 from edgert.models import build_model, save_model
 from edgert.protocol import Health, Peers, Segment, StageAssignment
+from edgert.run_settings import RunSettings
 from edgert.transport import ClientConfig, Envelope, ResponseError, SyncClient, decode_envelope
 from tests import fuzz_bodies
 from tests.fuzz_bodies import BODY_KINDS, METHODS, broken, generic_body, misrouted, scalars
@@ -171,9 +172,10 @@ class FuzzedWorker:
         export_plan(tmp / "mlp.onnx", tmp / "plan", ExportOptions(stages=3, training=TrainingConfig()))
         manifest = load_manifest(tmp / "plan")
         self.entry = manifest.stages[1]
-        self.assignment = StageAssignment(run_id=RUN_ID, entry=self.entry, training=manifest.training, stages=3,
-                                          peers=Peers(NOWHERE, NOWHERE, NOWHERE), wait_timeout=3600.0,
-                                          replicate_every=5, replica_targets=(NOWHERE,))
+        self.assignment = StageAssignment(
+            run_id=RUN_ID, entry=self.entry, stages=3, peers=Peers(NOWHERE, NOWHERE, NOWHERE),
+            settings=RunSettings(manifest.training, wait_timeout=3600.0, replicate_every=5, central_every=0),
+            replica_targets=(NOWHERE,))
         self.files = {a.role: (tmp / "plan" / a.path).read_bytes() for a in self.entry.artifacts}
         self.cluster = LocalCluster(2, names=["idle", "loaded"])
         self.cluster.start()
@@ -207,14 +209,15 @@ def right_kind_wrong_content(draw, worker, path):
     if path in ("stage", "profile"):
         envelope = worker.assignment.to_envelope(worker.files)
         meta, tensors = dict(envelope.meta), dict(envelope.tensors)
-        how = draw(st.sampled_from(["meta", "meta", "file", "missing file", "stage"]))
+        how = draw(st.sampled_from(["meta", "settings", "settings", "file", "missing file", "stage"]))
         stage = entry.index
         if how == "meta":
-            meta = broken(draw, meta, optional=("forward_codec", "backward_codec", "forward_threads",
-                                                "backward_threads", "wait_timeout", "memory_mode", "replicate_every",
-                                                "central_every", "replica_targets"))
+            meta = broken(draw, meta, optional=("replica_targets",))
+        elif how == "settings":  # each has a default but the training config
+            told = meta["settings"]
+            meta["settings"] = broken(draw, told, optional=tuple(k for k in told if k != "training"))
             if draw(st.integers(0, 3)) == 0:
-                meta["forward_codec"] = draw(st.sampled_from(["bogus", "topk:ratio=2", "int8:axis=x"]))
+                meta["settings"]["forward_codec"] = draw(st.sampled_from(["bogus", "topk:ratio=2", "int8:axis=x"]))
         elif how == "file":
             role = draw(st.sampled_from(needed_roles(entry)))
             data = bytearray(tensors[role].tobytes())
