@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from edgert.coordinator.coordinator import TrainConfig
 
 SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
+QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled worker is measured
 
 
 class Replanning:
@@ -62,6 +63,7 @@ class Replanning:
         self._since_check = 0  # steps completed since the last check, in this segment
         self._membership_changed = False
         self._recheck = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later
+        self._profile_plans = None  # the model cut at every unit, exported at the first quick profile
 
     def serve(self, server: TensorServer) -> None:
         """Take in workers that offer themselves (a resource on ``server``)."""
@@ -189,10 +191,28 @@ class Replanning:
         """A quick profile of ``workers`` on the model's units, so the planner knows their speeds."""
         started = time.perf_counter()
         try:
-            await self._replanner.profile(self._client, workers, self._config.out_dir / "profile",
-                                          signing=self._signing)
+            await self._measure(workers)
         except (TransportError, EdgertError) as error:
             raise TrainingError(f"profiling {', '.join(workers.values())} failed: {error}") from None
         save_devices(self._replanner.devices, self._config.out_dir / "devices.json")
         self._log.event("profiled", workers=list(workers.values()), seconds=round(time.perf_counter() - started, 3),
                         devices_file="devices.json")
+
+    async def _measure(self, workers: dict[str, str]) -> None:
+        """Time ``workers`` (URL -> name) on the model's units, one after another, and cost them by it from now on.
+
+        Without a ``devices.json``, FLOPs are a poor guide to a device's speed on another block
+        range; a quick profile (FTPipeHD re-profiles too) lets the planner place blocks by time.
+        One at a time, so workers that share a host's cores do not disturb each other's times.
+        """
+        from edgert.coordinator.profiling import export_profile_plans, profile_device, unit_names
+
+        replanner = self._replanner
+        if self._profile_plans is None:
+            self._profile_plans = export_profile_plans(replanner.source_path, self._config.out_dir / "profile",
+                                                       replanner.training)
+        plans = self._profile_plans
+        profiles = [await profile_device(self._client, plans, url, name, replanner.micro_batch, QUICK_PROFILE_REPEATS,
+                                         memory_mode=replanner.memory_mode, signing=self._signing)
+                    for url, name in workers.items()]
+        replanner.use_profiles(profiles, tuple(unit_names(plans.units)))

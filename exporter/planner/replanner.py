@@ -92,9 +92,8 @@ class Replanner:
     def __init__(self, plan_dir: Path, manifest: Manifest, cache_dir: Path, devices: Path | None = None,
                  threshold: float = 0.1, batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
                  memory_mode: str = "recompute"):
-        self._source_path = Path(plan_dir) / SOURCE_FILE
+        self.source_path = Path(plan_dir) / SOURCE_FILE  # the model the units of a live profile are cut from
         self.source = load_plan_source(plan_dir, manifest.source_sha256)
-        self._profile_plans = None  # exported at the first live profile
         self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions(frozen=frozen_in(manifest.metadata)))
         self.training = manifest.training
         self.memory_mode = memory_mode
@@ -240,24 +239,6 @@ class Replanner:
         features = join_features([f for u, f in enumerate(self._unit_features)
                                   if first <= self._units[u][0] and self._units[u][1] <= end])
         self.predictor.observe(worker, features, self.micro_batch, None if last else forward, backward)
-
-    async def profile(self, client, workers: dict[str, str], scratch: Path, repeats: int = 2,
-                      signing=None) -> None:
-        """Measure ``workers`` (URL -> name) on the units, one after another, and use the profiles from now on.
-
-        Without a ``devices.json``, FLOPs are a poor guide to a device's speed on another block
-        range; a quick profile (FTPipeHD re-profiles too) lets the planner place blocks by time.
-        One at a time, so workers that share a host's cores do not disturb each other's times.
-        """
-        from edgert.coordinator.profiling import export_profile_plans, profile_device, unit_names
-
-        if self._profile_plans is None:
-            self._profile_plans = export_profile_plans(self._source_path, scratch, self.training)
-        plans = self._profile_plans
-        profiles = [await profile_device(client, plans, url, name, self.micro_batch, repeats,
-                                         memory_mode=self.memory_mode, signing=signing)
-                    for url, name in workers.items()]
-        self.use_profiles(profiles, tuple(unit_names(plans.units)))
 
     def use_profiles(self, profiles: list[DeviceProfile], blocks: tuple[str, ...]) -> None:
         """Cost the devices of ``profiles`` (timed on the units ``blocks``) by them from now on."""

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from edgert.coordinator.coordinator import TrainConfig
+from edgert.errors import ProtocolError
 from edgert.manifest import ArtifactFile, BoundaryTensor, ParameterInfo, StageEntry, TrainingConfig
 from edgert.protocol import Peers, StageAssignment, read_request
-from edgert.errors import ProtocolError
 from edgert.run_settings import RunSettings
 from edgert.transport import BadRequest, Envelope
 from edgert.transport.envelope import decode_envelope, encode_envelope
