@@ -1,4 +1,4 @@
-"""The worker's measurement resources: how fast it computes a stage, and its links.
+"""The worker's measurements on request: how fast it computes a stage, and its links.
 
 ``POST /profile`` times a stage (not installed: the current one is untouched) through the
 worker's own runtime; ``POST /probe`` times the link to another worker's ``/echo``.
@@ -9,19 +9,52 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from edgert.errors import EdgertError
-from edgert.protocol import ProfileOptions, ProtocolError, StageAssignment, probe_target, read_request
+from edgert.protocol import (
+    ECHO,
+    PROBE,
+    PROFILE,
+    ProfileOptions,
+    ProtocolError,
+    StageAssignment,
+    probe_target,
+    read_request,
+)
 from edgert.security.admission import vet_stage_files
 from edgert.security.onnx_scan import GraphRefused
-from edgert.transport import BadRequest, Envelope, Request, TransportError
+from edgert.stage import StageSession
+from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.errors import Forbidden
+from edgert.transport.tls import COORDINATOR_ROLE
+from edgert.worker.slowdown import SlowdownSchedule
 from edgert.worker.stage_timer import measure_stage, probe_link
 
 
-class MeasureResources:
-    """Mixin of :class:`edgert.worker.worker.Worker`: the handlers of /profile, /probe and /echo."""
+class Measurement:
+    """/profile, /probe and /echo: a stage timed through the worker's own runtime, a link timed to a peer.
+
+    ``admit`` refuses (4.03) a stage the cluster did not sign; ``load`` opens a stage's files in a
+    folder of the worker's work folder (both the worker's, as for an assigned stage).
+    """
+
+    def __init__(self, client: TensorClient, name: str, slowdown: SlowdownSchedule,
+                 admit: Callable[[Envelope], None], load: Callable[..., StageSession]):
+        self._client = client
+        self._name = name
+        self._slowdown = slowdown
+        self._admit = admit
+        self._load = load
+
+    def register(self, server: TensorServer) -> None:
+        """Serve /profile and /probe (the coordinator's only, over TLS) and /echo (anyone's: the other end
+        of a probe)."""
+        boss = (COORDINATOR_ROLE,)
+        server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",), roles=boss)
+        server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",), roles=boss)
+        server.add_resource(ECHO, post=self._on_echo, rt="edgert.echo", envelope=False)
 
     async def _on_profile(self, request: Request) -> Envelope:
         """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
@@ -40,21 +73,21 @@ class MeasureResources:
 
         def measure() -> dict:
             session = self._load(assignment, files, folder_name="profile")
-            return dataclasses.asdict(measure_stage(session, micro_batch, repeats, slowdown=self.config.slowdown))
+            return dataclasses.asdict(measure_stage(session, micro_batch, repeats, slowdown=self._slowdown))
 
         try:
             timing = await asyncio.get_running_loop().run_in_executor(None, measure)
         except Exception as error:  # noqa: BLE001 - the files (ONNX Runtime's errors too), not this worker
             raise BadRequest(f"profiling refused: {type(error).__name__}: {error}") from None
         return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
-                                              "memory_bytes": _available_memory(), "worker": self.config.name,
-                                              "slowdown": str(self.config.slowdown)})
+                                              "memory_bytes": _available_memory(), "worker": self._name,
+                                              "slowdown": str(self._slowdown)})
 
     async def _on_probe(self, request: Request) -> Envelope:
         """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""
         target = read_request(probe_target, request.envelope)
         try:
-            result = await probe_link(self.client, target)
+            result = await probe_link(self._client, target)
         except TransportError as error:
             raise BadRequest(f"{target} did not answer: {error}") from None
         return Envelope(kind="control", meta=result)
