@@ -41,7 +41,8 @@ class Measurement:
     """
 
     def __init__(self, client: TensorClient, name: str, slowdown: SlowdownSchedule,
-                 admit: Callable[[Envelope], None], load: Callable[..., StageSession]):
+                 admit: Callable[[Envelope], None],
+                 load: Callable[[StageAssignment, dict[str, bytes], str], StageSession]):
         self._client = client
         self._name = name
         self._slowdown = slowdown
@@ -58,30 +59,39 @@ class Measurement:
 
     async def _on_profile(self, request: Request) -> Envelope:
         """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
-        self._admit(request.envelope)
+        assignment, files, options = self._read_profile(request.envelope)
+        timing = await self._time_stage(assignment, files, options)
+        return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
+                                              "memory_bytes": _available_memory(), "worker": self._name,
+                                              "slowdown": str(self._slowdown)})
+
+    def _read_profile(self, envelope: Envelope) -> tuple[StageAssignment, dict[str, bytes], ProfileOptions]:
+        """The stage to time, admitted and vetted like an assigned one, and how to time it."""
+        self._admit(envelope)
         try:
-            assignment, files = StageAssignment.from_envelope(request.envelope)
+            assignment, files = StageAssignment.from_envelope(envelope)
             vet_stage_files(assignment, files)
-            options = ProfileOptions.from_envelope(request.envelope)
+            options = ProfileOptions.from_envelope(envelope)
         except ProtocolError as error:
             raise BadRequest(str(error)) from None
         except GraphRefused as error:
             raise Forbidden(f"profiling refused: {error}") from None
         except EdgertError as error:
             raise BadRequest(f"profiling refused: {error}") from None
-        micro_batch, repeats = options.micro_batch, options.repeats
+        return assignment, files, options
 
+    async def _time_stage(self, assignment: StageAssignment, files: dict[str, bytes],
+                          options: ProfileOptions) -> dict:
+        """The stage's times off the transport loop (4.00 for files ONNX Runtime refuses)."""
         def measure() -> dict:
-            session = self._load(assignment, files, folder_name="profile")
-            return dataclasses.asdict(measure_stage(session, micro_batch, repeats, slowdown=self._slowdown))
+            session = self._load(assignment, files, "profile")
+            timing = measure_stage(session, options.micro_batch, options.repeats, slowdown=self._slowdown)
+            return dataclasses.asdict(timing)
 
         try:
-            timing = await asyncio.get_running_loop().run_in_executor(None, measure)
+            return await asyncio.get_running_loop().run_in_executor(None, measure)
         except Exception as error:  # noqa: BLE001 - the files (ONNX Runtime's errors too), not this worker
             raise BadRequest(f"profiling refused: {type(error).__name__}: {error}") from None
-        return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
-                                              "memory_bytes": _available_memory(), "worker": self._name,
-                                              "slowdown": str(self._slowdown)})
 
     async def _on_probe(self, request: Request) -> Envelope:
         """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""

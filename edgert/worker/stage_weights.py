@@ -87,9 +87,7 @@ class StageWeights:
         over its blocks (re-partitioning, same run); forget every copy when the run changes."""
         current = self._current
         if current.session is not None and current.assignment.run_id == assignment.run_id:
-            self._previous = StageState(parameters=current.session.parameters(),
-                                        optimizer=current.session.optimizer_state(),
-                                        stage=current.session.entry.index)
+            self._previous = _state_of(current.session)
         else:
             self._previous = None
         if current.assignment is None or current.assignment.run_id != assignment.run_id:
@@ -100,21 +98,32 @@ class StageWeights:
     def replicate(self, report: StepReport) -> None:
         """Every ``replicate_every`` steps: keep a snapshot, send it to the next workers (and the coordinator,
         every ``central_every`` steps and after the segment's ``checkpoint_steps``)."""
-        current = self._current
-        assignment, session = current.assignment, current.session
-        every, central = assignment.replicate_every, assignment.central_every
-        to_peers = every and (report.step + 1) % every == 0
-        to_coordinator = (central and (report.step + 1) % central == 0) or any(
-            report.step in segment.checkpoint_steps for segment in current.announced())
+        to_peers, to_coordinator = self._copies_due(report.step)
         if not (to_peers or to_coordinator):
             return
         started, cpu = time.perf_counter(), time.thread_time()
-        current.activity = f"replicating {report.step}"
-        state = StageState(parameters=session.parameters(), optimizer=session.optimizer_state(),
-                           step=report.step, stage=assignment.entry.index)
+        self._current.activity = f"replicating {report.step}"
+        state = _state_of(self._current.session, report.step)
         # an emulated slower device also copies its state more slowly
         self._emulator.emulate(report.step, "replicate", time.perf_counter() - started, time.thread_time() - cpu)
         self._copies.put(state, SELF_ORIGIN)
+        sent = self._send_copy(state, to_peers, to_coordinator)
+        report.replication_ms += (time.perf_counter() - started) * 1000
+        report.replicated_bytes += state.bytes * sent
+        self._current.activity = ""
+
+    def _copies_due(self, step: int) -> tuple[bool, bool]:
+        """Whether a copy after ``step`` goes to the peers, and whether to the coordinator."""
+        assignment = self._current.assignment
+        every, central = assignment.replicate_every, assignment.central_every
+        to_peers = bool(every and (step + 1) % every == 0)
+        to_coordinator = bool((central and (step + 1) % central == 0) or any(
+            step in segment.checkpoint_steps for segment in self._current.announced()))
+        return to_peers, to_coordinator
+
+    def _send_copy(self, state: StageState, to_peers: bool, to_coordinator: bool) -> int:
+        """Send ``state`` (not waited for, need not arrive) to the peers and/or the coordinator; how many."""
+        assignment = self._current.assignment
         envelope = state.to_envelope(assignment.run_id)
         envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, step=envelope.step, stage=envelope.stage,
                             tensors=envelope.tensors, meta={"origin": self._own_url()})
@@ -123,17 +132,13 @@ class StageWeights:
             targets.append(assignment.peers.coordinator)
         for target in targets:
             self._outbox.submit(target, REPLICA, envelope, None, method="PUT", must_arrive=False)
-        report.replication_ms += (time.perf_counter() - started) * 1000
-        report.replicated_bytes += state.bytes * len(targets)
-        current.activity = ""
+        return len(targets)
 
     # -- resources -------------------------------------------------------------------------
 
     async def _on_weights_get(self, request: Request) -> Envelope:
         session = self._current.require_session()
-        state = StageState(parameters=session.parameters(), optimizer=session.optimizer_state(),
-                           step=max(self._current.health.step, 0), stage=session.entry.index)
-        return state.to_envelope(self._current.run_id)
+        return _state_of(session, max(self._current.health.step, 0)).to_envelope(self._current.run_id)
 
     async def _on_weights_put(self, request: Request) -> None:
         session = self._current.require_session()
@@ -182,9 +187,7 @@ class StageWeights:
         elif query.previous and self._previous is not None:
             state = self._previous
         else:  # also "previous" on a worker the re-partition left out: its current stage is what it held
-            session = self._current.require_session()
-            state = StageState(parameters=session.parameters(), optimizer=session.optimizer_state(),
-                               stage=session.entry.index)
+            state = _state_of(self._current.require_session())
         return _subset(state, list(query.names)).to_envelope(self._current.run_id)
 
     async def _on_migrate(self, request: Request) -> Envelope:
@@ -218,6 +221,12 @@ class StageWeights:
         response = await self._client.request("FETCH", source.url, WEIGHTS,
                                               source.query().to_envelope(self._current.run_id), timeout=120.0)
         return _subset(_stage_state(response.envelope(self._limits)), names)
+
+
+def _state_of(session: StageSession, step: int = 0) -> StageState:
+    """The stage's parameters and optimizer state as they are now (after ``step``)."""
+    return StageState(parameters=session.parameters(), optimizer=session.optimizer_state(), step=step,
+                      stage=session.entry.index)
 
 
 def _stage_state(envelope: Envelope) -> StageState:
