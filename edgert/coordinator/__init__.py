@@ -29,4 +29,5 @@ Around the run:
 - ``run_summary.py``   :class:`RunSummary`: the end-of-run summary, read from the run folder
 - ``profiling.py``     ``edgert profile``: every device measured on every unit of a model, and every link
 - ``localcluster.py``  worker processes on this machine, for ``edgert demo``, the tests and the benchmarks
+- ``errors.py``        the coordinator's errors: :class:`TrainingError`, :class:`WorkerFailure`, assignment, data
 """

@@ -1,1 +1,22 @@
-"""edgert/worker: (map written later)."""
+"""edgert.worker: ``edgert worker``, what runs on a board (never imports exporter, coordinator, onnx).
+
+Map of the package (resources: docs/PROTOCOL.md §9; threads and schedules: docs/RUNTIME.md):
+
+- ``worker.py``         :class:`Worker`, :class:`WorkerConfig`: serves, installs a stage (/stage), takes
+  the coordinator's commands (/run, /stop, /health), wires the parts below
+- ``current_stage.py``  :class:`CurrentStage`: the stage installed, the segments announced, the health;
+  what the parts share
+- ``inputs.py``         :class:`StageInputs`: the inbox and /batch, /act, /grad, checked before it sees them
+- ``stage_weights.py``  :class:`StageWeights`: the stage's state by name (/weights), copies sent to and
+  kept for peers (/replica), state taken over from others (/migrate)
+- ``measurement.py``    :class:`Measurement`: /profile (a stage timed here), /probe and /echo (links)
+- ``compute_thread.py`` :class:`ComputeThread`: runs the queued windows, reports steps, sends tensors on
+- ``executor.py``       :class:`StageExecutor`: one window of the schedule, action by action
+- ``gate.py``           :class:`StepGate`: holding the pipeline at a step boundary (re-planning)
+- ``inbox.py``          :class:`Inbox`: tensors received, waited for by the compute thread, capped
+- ``outbox.py``         :class:`Outbox`: sends in flight, not waited for; what their failures mean
+- ``stage_timer.py``    :func:`measure_stage`, :func:`probe_link`: a stage's times and memory, a link's
+- ``slowdown.py``       :class:`SlowdownSchedule`, :class:`SlowdownEmulator`: emulated device speed (``--slowdown``)
+- ``readiness.py``      :func:`check_board`: is this board ready to be a worker (``edgert doctor``)
+- ``errors.py``         the worker's errors: the inbox's (aborted, timed out, skipped, full) and ``Busy`` (4.09)
+"""

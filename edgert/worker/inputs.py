@@ -20,43 +20,43 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from edgert.manifest import BoundaryTensor
-from edgert.protocol import ACT, BATCH, LABELS, Peers, Segment
+from edgert.protocol import ACT, BATCH, DATA_KINDS, LABELS, Peers, Segment
 from edgert.schedule import MicroBatch
-from edgert.transport import BadRequest, Envelope, Request, ServiceUnavailable
+from edgert.transport import BadRequest, Envelope, Request, ServiceUnavailable, TensorServer
 from edgert.transport.errors import Forbidden
-from edgert.transport.tls import PeerIdentity
+from edgert.transport.tls import COORDINATOR_ROLE, PeerIdentity
+from edgert.worker.current_stage import CurrentStage
 from edgert.worker.errors import InboxFull
+from edgert.worker.inbox import Inbox
 
 
-def check_sender(path: str, stage: int, peers: Peers, identity: PeerIdentity | None) -> None:
-    """Refuse (4.03) ``/act`` or ``/grad`` from anyone but the neighbour the assignment names."""
-    if path == ACT:
-        url, name, role = peers.previous, peers.previous_name, "previous"
-    else:
-        url, name, role = peers.next, peers.next_name, "next"
-    if url is None:
-        why = "its inputs come in the coordinator's /batch" if path == ACT else "it is the last stage"
-        raise Forbidden(f"stage {stage} takes no /{path} from a peer: {why}")
-    if identity is not None and identity.name != name:
-        raise Forbidden(f"stage {stage} takes /{path} only from its {role} stage's worker {name!r}, not {identity}")
+class StageInputs:
+    """The stage's inbox and the resources that fill it (/batch, /act, /grad), each request checked first."""
 
+    def __init__(self, current: CurrentStage):
+        self._current = current
+        self.inbox = Inbox()  # what the stage's executor waits on
 
-class InputResources:
-    """Mixin of :class:`edgert.worker.worker.Worker`: the handlers of /batch, /act and /grad."""
+    def register(self, server: TensorServer) -> None:
+        """Serve /batch (the coordinator's only, over TLS) and the neighbours' /act and /grad."""
+        server.add_resource(BATCH, post=self._on_batch, rt="edgert.batch", kinds=("batch",),
+                            roles=(COORDINATOR_ROLE,))
+        for path, kind in DATA_KINDS.items():
+            server.add_resource(path, post=self._data_handler(path), rt=f"edgert.{kind}", kinds=(kind,))
 
     async def _on_batch(self, request: Request) -> None:
         """A whole step's inputs (first stage) and/or labels (last stage), split into micro-batches here."""
-        envelope = request.envelope
-        self._check_run(envelope)
-        entry = self.session.entry
+        envelope, current = request.envelope, self._current
+        current.check_run(envelope)
+        entry = current.session.entry
         expected = (list(entry.inputs) if entry.index == 0 else []) + list(entry.labels)
         if not expected:
             raise BadRequest(f"stage {entry.index} is neither the first nor the last: it takes no /{BATCH}")
-        microbatches = announced_microbatches(tuple(self._segments), envelope.step, self.health.step, BATCH)
+        microbatches = announced_microbatches(current.announced(), envelope.step, current.health.step, BATCH)
         if microbatches is None:
             return  # a late duplicate: nothing kept
         check_tensors(envelope, expected, BATCH, batch=sum(m.size for m in microbatches))
-        if is_late(envelope.step, self.health.step, self.inbox.last_step):
+        if is_late(envelope.step, current.health.step, self.inbox.last_step):
             return
         inputs = {t.name for t in entry.inputs} if entry.index == 0 else set()
         start = 0
@@ -76,18 +76,18 @@ class InputResources:
     def _data_handler(self, path: str):
         async def handle(request: Request) -> None:
             """Tensors from a neighbour, checked (edgert.worker.inputs) before the inbox sees them."""
-            envelope = request.envelope
-            self._check_run(envelope)
-            entry, assignment = self.session.entry, self.assignment
+            envelope, current = request.envelope, self._current
+            current.check_run(envelope)
+            entry, assignment = current.session.entry, current.assignment
             if envelope.stage != entry.index:
                 raise BadRequest(f"message for stage {envelope.stage} reached stage {entry.index}")
             check_sender(path, entry.index, assignment.peers, request.identity)
-            micro = announced_microbatch(tuple(self._segments), envelope.step, envelope.microbatch,
-                                         self.health.step, path)
+            micro = announced_microbatch(current.announced(), envelope.step, envelope.microbatch,
+                                         current.health.step, path)
             if micro is None:
                 return  # a late duplicate: nothing kept
             check_tensors(envelope, self._expected(path), path, batch=micro.size)
-            if is_late(envelope.step, self.health.step, self.inbox.last_step):
+            if is_late(envelope.step, current.health.step, self.inbox.last_step):
                 return
             try:
                 self.inbox.put((path, envelope.step, envelope.microbatch), dict(envelope.tensors))
@@ -96,10 +96,23 @@ class InputResources:
         return handle
 
     def _expected(self, path: str) -> list[BoundaryTensor]:
-        entry = self.session.entry
+        entry = self._current.session.entry
         if path == ACT:
             return list(entry.inputs)
         return [t for t in entry.outputs if t.name in entry.output_gradients]
+
+
+def check_sender(path: str, stage: int, peers: Peers, identity: PeerIdentity | None) -> None:
+    """Refuse (4.03) ``/act`` or ``/grad`` from anyone but the neighbour the assignment names."""
+    if path == ACT:
+        url, name, role = peers.previous, peers.previous_name, "previous"
+    else:
+        url, name, role = peers.next, peers.next_name, "next"
+    if url is None:
+        why = "its inputs come in the coordinator's /batch" if path == ACT else "it is the last stage"
+        raise Forbidden(f"stage {stage} takes no /{path} from a peer: {why}")
+    if identity is not None and identity.name != name:
+        raise Forbidden(f"stage {stage} takes /{path} only from its {role} stage's worker {name!r}, not {identity}")
 
 
 def announced_microbatches(segments: Iterable[Segment], step: int, done_through: int,

@@ -1,0 +1,56 @@
+"""The stage a worker runs now and how far its run has got: the one object its parts share.
+
+Installing a stage writes the assignment, session and executor; ``POST /run`` adds the
+segments and ``/stop`` clears them; the compute thread moves the health on. The inputs, the
+stage's weights and the compute thread read them here rather than from one another.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from edgert.protocol import Health, Segment, StageAssignment
+from edgert.stage import StageSession
+from edgert.transport import BadRequest, Envelope
+from edgert.worker.executor import StageExecutor
+from edgert.worker.slowdown import SlowdownSchedule
+
+KEPT_SEGMENTS = 8  # run commands remembered to check what arrives for their steps
+
+
+class CurrentStage:
+    """The current assignment, its session and executor, the announced segments and the worker's health."""
+
+    def __init__(self, name: str, slowdown: SlowdownSchedule):
+        self.assignment: StageAssignment | None = None
+        self.session: StageSession | None = None
+        self.executor: StageExecutor | None = None
+        self.segments: collections.deque[Segment] = collections.deque(maxlen=KEPT_SEGMENTS)
+        self.health = Health(name=name, state="idle", slowdown=str(slowdown))
+        self.activity = ""  # overrides the executor's while loading, replicating or migrating
+
+    @property
+    def run_id(self) -> str:
+        """The current run's id ("" before any stage)."""
+        return self.assignment.run_id if self.assignment else ""
+
+    def health_now(self) -> Health:
+        """The health with what the worker is doing at this moment."""
+        self.health.activity = self.activity or (self.executor.activity if self.executor else "idle")
+        return self.health
+
+    def require_session(self) -> StageSession:
+        """The stage's session; 4.00 before any stage was assigned."""
+        if self.session is None:
+            raise BadRequest("no stage assigned to this worker yet (PUT /stage first)")
+        return self.session
+
+    def check_run(self, envelope: Envelope) -> None:
+        """Refuse (4.00) a message for another run, or any before a stage was assigned."""
+        self.require_session()
+        if envelope.run_id != self.assignment.run_id:
+            raise BadRequest(f"message for run {envelope.run_id!r}; this worker is in run {self.assignment.run_id!r}")
+
+    def announced(self) -> tuple[Segment, ...]:
+        """The segments the coordinator sent and this worker still remembers (a copy: safe from any thread)."""
+        return tuple(self.segments)

@@ -1,0 +1,117 @@
+"""The worker's measurements on request: how fast it computes a stage, and its links.
+
+``POST /profile`` times a stage (not installed: the current one is untouched) through the
+worker's own runtime; ``POST /probe`` times the link to another worker's ``/echo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from edgert.errors import EdgertError, ProtocolError
+from edgert.protocol import (
+    ECHO,
+    PROBE,
+    PROFILE,
+    ProfileOptions,
+    StageAssignment,
+    probe_target,
+    read_request,
+)
+from edgert.security.admission import vet_stage_files
+from edgert.security.errors import GraphRefused
+from edgert.stage import StageSession
+from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TransportError
+from edgert.transport.errors import Forbidden
+from edgert.transport.tls import COORDINATOR_ROLE
+from edgert.worker.slowdown import SlowdownSchedule
+from edgert.worker.stage_timer import measure_stage, probe_link
+
+
+class Measurement:
+    """/profile, /probe and /echo: a stage timed through the worker's own runtime, a link timed to a peer.
+
+    ``admit`` refuses (4.03) a stage the cluster did not sign; ``load`` opens a stage's files in a
+    folder of the worker's work folder (both the worker's, as for an assigned stage).
+    """
+
+    def __init__(self, client: TensorClient, name: str, slowdown: SlowdownSchedule,
+                 admit: Callable[[Envelope], None],
+                 load: Callable[[StageAssignment, dict[str, bytes], str], StageSession]):
+        self._client = client
+        self._name = name
+        self._slowdown = slowdown
+        self._admit = admit
+        self._load = load
+
+    def register(self, server: TensorServer) -> None:
+        """Serve /profile and /probe (the coordinator's only, over TLS) and /echo (anyone's: the other end
+        of a probe)."""
+        boss = (COORDINATOR_ROLE,)
+        server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",), roles=boss)
+        server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",), roles=boss)
+        server.add_resource(ECHO, post=self._on_echo, rt="edgert.echo", envelope=False)
+
+    async def _on_profile(self, request: Request) -> Envelope:
+        """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
+        assignment, files, options = self._read_profile(request.envelope)
+        timing = await self._time_stage(assignment, files, options)
+        return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
+                                              "memory_bytes": _available_memory(), "worker": self._name,
+                                              "slowdown": str(self._slowdown)})
+
+    def _read_profile(self, envelope: Envelope) -> tuple[StageAssignment, dict[str, bytes], ProfileOptions]:
+        """The stage to time, admitted and vetted like an assigned one, and how to time it."""
+        self._admit(envelope)
+        try:
+            profile_fields = tuple(f.name for f in dataclasses.fields(ProfileOptions))
+            assignment, files = StageAssignment.from_envelope(envelope, beside=profile_fields)
+            vet_stage_files(assignment, files)
+            options = ProfileOptions.from_envelope(envelope)
+        except ProtocolError as error:
+            raise BadRequest(str(error)) from None
+        except GraphRefused as error:
+            raise Forbidden(f"profiling refused: {error}") from None
+        except EdgertError as error:
+            raise BadRequest(f"profiling refused: {error}") from None
+        return assignment, files, options
+
+    async def _time_stage(self, assignment: StageAssignment, files: dict[str, bytes],
+                          options: ProfileOptions) -> dict:
+        """The stage's times off the transport loop (4.00 for files ONNX Runtime refuses)."""
+        def measure() -> dict:
+            session = self._load(assignment, files, "profile")
+            timing = measure_stage(session, options.micro_batch, options.repeats, slowdown=self._slowdown)
+            return dataclasses.asdict(timing)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, measure)
+        except Exception as error:  # noqa: BLE001 - the files (ONNX Runtime's errors too), not this worker
+            raise BadRequest(f"profiling refused: {type(error).__name__}: {error}") from None
+
+    async def _on_probe(self, request: Request) -> Envelope:
+        """Measure the link from this worker to ``meta.target`` (its ``/echo``)."""
+        target = read_request(probe_target, request.envelope)
+        try:
+            result = await probe_link(self._client, target)
+        except TransportError as error:
+            raise BadRequest(f"{target} did not answer: {error}") from None
+        return Envelope(kind="control", meta=result)
+
+    async def _on_echo(self, request: Request) -> bytes:
+        return b""
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), 0 where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
