@@ -121,6 +121,11 @@ def stage_actions(kind: str, stage: int, stages: int, microbatches: int) -> list
     return actions if schedule is Schedule.ASYNC else actions + [STEP]
 
 
+def microbatches_per_step(kind: str, microbatches: int) -> int:
+    """A step's micro-batches: ``microbatches``, or one under ``async`` (each micro-batch is its own step)."""
+    return 1 if Schedule.named(kind) is Schedule.ASYNC else microbatches
+
+
 def steps_ahead(kind: str, stages: int, microbatches: int, lookahead: int, capacity: int) -> int:
     """How many steps the coordinator may have sent and not yet seen completed.
 
@@ -131,7 +136,7 @@ def steps_ahead(kind: str, stages: int, microbatches: int, lookahead: int, capac
     micro-batches; under ``async``, one per stage). At least 1.
     """
     asynchronous = _check(kind, 0, stages, microbatches) is Schedule.ASYNC
-    per_step = 1 if asynchronous else microbatches
+    per_step = microbatches_per_step(kind, microbatches)
     wanted = lookahead + (stages if asynchronous else 0)
     if stages == 1:
         fits = capacity // (2 * per_step)

@@ -47,6 +47,7 @@ from edgert.exporter.planner.solver import plan
 from edgert.exporter.source import load_source_model
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
+from edgert.schedule import microbatches_per_step
 
 SPREAD = (1, 2, 5, 10)
 
@@ -120,7 +121,7 @@ format_table = key_value_lines  # no table of its own: every row as key=value, t
 def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
     """Four devices at 1, 2, 5 and 10x: planned cuts against equal cuts and against the ideal."""
     rows = []
-    micro = config.batch_size // (1 if config.schedule == "async" else config.micro_batches)
+    micro = config.batch_size // microbatches_per_step(config.schedule, config.micro_batches)
     names = [f"x{s}" for s in SPREAD]
     factors = [f"{s * config.slowdown_base:g}" for s in SPREAD]
     with LocalCluster(4, slowdowns=factors, names=names) as cluster:
@@ -183,7 +184,7 @@ def _recovery(config: BenchConfig, model: Path, source, analysis, scratch: Path,
     schedules = [f"{base:g}"] * 3 + [f"0:{base:g},{config.change_at}:{8 * base:g}"]
     with LocalCluster(4, slowdowns=list(after), names=names) as cluster:
         devices = profile_devices(model, cluster.urls, micro_batch=config.batch_size // (
-            1 if config.schedule == "async" else config.micro_batches), repeats=3, memory_mode=config.memory_mode)
+            microbatches_per_step(config.schedule, config.micro_batches)), repeats=3, memory_mode=config.memory_mode)
         save_devices(devices, scratch / "devices-after.json")
         cuts, order, _ = planned_cuts(model, scratch, scratch / "devices-after.json", names, config.batch_size,
                                       config.micro_batches, config.schedule, config.memory_mode)

@@ -74,6 +74,7 @@ from edgert.coordinator.coordinator import TrainConfig, train
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
 from edgert.errors import EdgertError
+from edgert.schedule import microbatches_per_step
 
 STAGES = 4
 COMPUTING = ("forward", "backward")  # a victim's /health activity while it computes: "mid-step"
@@ -171,7 +172,7 @@ class _Bench:
         export_plan(model, self.plan, ExportOptions(stages=STAGES, training=training))
         self.say(f"exported {c.model} in {STAGES} stages; profiling {STAGES} local workers")
         with self._cluster(STAGES) as cluster:
-            micro = c.batch_size // (1 if c.schedule == "async" else c.micro_batches)
+            micro = c.batch_size // microbatches_per_step(c.schedule, c.micro_batches)
             save_devices(profile_devices(self.plan / "source.onnx", cluster.urls, micro_batch=micro, repeats=2),
                          self.devices)
 

@@ -23,7 +23,7 @@ from edgert.coordinator.replanning import Replanning
 from edgert.coordinator.run_state import RunState
 from edgert.models.datasets import Dataset
 from edgert.protocol import BATCH, INBOX_CAPACITY, MAX_SEGMENT_STEPS, RUN, Segment, hold_envelope, truncate_envelope
-from edgert.schedule import steps_ahead
+from edgert.schedule import Schedule, steps_ahead
 from edgert.transport import Envelope, TensorClient
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def next_segment(plan: list[Batch], schedule: str, forced: set[int]) -> tuple[li
     for k, batch in enumerate(plan):
         following = plan[k + 1] if k + 1 < len(plan) else None
         ends_epoch = following is None or following.epoch != batch.epoch
-        if following is None or (ends_epoch and schedule != "async") or k + 1 == MAX_SEGMENT_STEPS \
+        if following is None or (ends_epoch and schedule != Schedule.ASYNC) or k + 1 == MAX_SEGMENT_STEPS \
                 or following.step in forced:
             return plan[:k + 1], ends_epoch
     return plan, True

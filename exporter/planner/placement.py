@@ -14,7 +14,7 @@ from edgert.exporter.errors import PlanError
 from edgert.exporter.planner import costs
 from edgert.exporter.planner.costs import Stage
 from edgert.exporter.planner.problem import PlanProblem, check_problem, in_flight, stashes_activations, stashes_weights
-from edgert.schedule import simulate
+from edgert.schedule import Schedule, simulate
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def step_ms(schedule: str, forward_ms: list[float], backward_ms: list[float], mi
             link_ms: list[float]) -> float:
     """Predicted time per optimizer step: a synchronous schedule's window of ``micro_batches``; under
     ``async`` (no flush) the steady interval between steps, not one batch's trip through the pipeline."""
-    if schedule != "async":
+    if schedule != Schedule.ASYNC:
         return simulate(schedule, forward_ms, backward_ms, micro_batches, link_ms)
     warm = 2 * len(forward_ms) + 2  # enough steps for the pipeline to be full
     longer = simulate(schedule, forward_ms, backward_ms, 2 * warm, link_ms)
@@ -158,7 +158,7 @@ def explain_no_fit(problem: PlanProblem) -> str:
 
 def _remedies(problem: PlanProblem) -> list[str]:
     remedies = ["more devices", "a smaller micro-batch"]
-    if problem.schedule == "gpipe":
+    if problem.schedule == Schedule.GPIPE:
         remedies.append("the 1f1b schedule")
     if problem.stash:
         remedies.append("recomputing instead of stashing (--memory-mode recompute)")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from edgert.exporter.errors import PlanError
-from edgert.schedule import SCHEDULES
+from edgert.schedule import SCHEDULES, Schedule
 
 DEFAULT_CODECS = {"none": 1.0, "fp16": 2.0, "int8": 4.0}
 
@@ -68,7 +68,7 @@ class PlanProblem:
 
     def steps_per_microbatch(self) -> float:
         """Optimizer steps per micro-batch: one per batch when synchronous, one each under ``async``."""
-        return 1.0 if self.schedule == "async" else 1.0 / self.micro_batches
+        return 1.0 if self.schedule == Schedule.ASYNC else 1.0 / self.micro_batches
 
 
 def in_flight(schedule: str, rank: int, micro_batches: int) -> int:
@@ -77,16 +77,16 @@ def in_flight(schedule: str, rank: int, micro_batches: int) -> int:
     Matches ``max_in_flight(stage_actions(...))`` in edgert.schedule; under ``async`` batches
     flow without a flush, so the count is not capped by ``micro_batches``.
     """
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return micro_batches
-    if schedule == "async":
+    if schedule == Schedule.ASYNC:
         return rank + 1
     return 1 if rank == 0 else min(rank + 2, micro_batches)
 
 
 def stashes_weights(problem: PlanProblem, rank: int) -> bool:
     """Whether a stage keeps a weight copy per in-flight micro-batch: under ``async``, all but the last."""
-    return problem.schedule == "async" and rank > 0
+    return problem.schedule == Schedule.ASYNC and rank > 0
 
 
 def stashes_activations(problem: PlanProblem, rank: int) -> bool:

@@ -26,6 +26,7 @@ from edgert.exporter.predictor.latency import LatencyPredictor, join_features
 from edgert.exporter.predictor.observations import observations_from_devices
 from edgert.exporter.source import SOURCE_FILE, load_plan_source
 from edgert.manifest import Manifest
+from edgert.schedule import Schedule, microbatches_per_step
 
 DEFAULT_PAUSE_S = 1.0
 HORIZON_STEPS = 50
@@ -100,7 +101,7 @@ class Replanner:
         self.cache_dir = cache_dir
         self.threshold = threshold
         self.schedule = schedule
-        self.micro_batches = micro_batches if schedule != "async" else 1
+        self.micro_batches = microbatches_per_step(schedule, micro_batches)
         self.micro_batch = batch_size // self.micro_batches
         self.devices: DevicesFile | None = load_devices(devices) if devices else None
         self._units = self._unit_ranges()
@@ -359,7 +360,7 @@ class Replanner:
 
     def _step_ms(self, placement) -> float:
         """Time per batch: the bottleneck under async (no flush), the simulated window otherwise."""
-        return placement.bottleneck_ms if self.schedule == "async" else placement.predicted_step_ms
+        return placement.bottleneck_ms if self.schedule == Schedule.ASYNC else placement.predicted_step_ms
 
     def _stages_of(self, manifest: Manifest, workers: list[str]) -> list[tuple[int, int, tuple[str]]]:
         """The current stages as planner units ranges on their workers."""
