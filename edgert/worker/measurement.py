@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from edgert.errors import EdgertError, ProtocolError
 from edgert.protocol import (
     ECHO,
     PROBE,
@@ -22,11 +21,8 @@ from edgert.protocol import (
     probe_target,
     read_request,
 )
-from edgert.security.admission import vet_stage_files
-from edgert.security.errors import GraphRefused
 from edgert.stage import StageSession
 from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TransportError
-from edgert.transport.errors import Forbidden
 from edgert.transport.tls import COORDINATOR_ROLE
 from edgert.worker.slowdown import SlowdownSchedule
 from edgert.worker.stage_timer import measure_stage, probe_link
@@ -35,17 +31,17 @@ from edgert.worker.stage_timer import measure_stage, probe_link
 class Measurement:
     """/profile, /probe and /echo: a stage timed through the worker's own runtime, a link timed to a peer.
 
-    ``admit`` refuses (4.03) a stage the cluster did not sign; ``load`` opens a stage's files in a
-    folder of the worker's work folder (both the worker's, as for an assigned stage).
+    ``read_stage`` reads a stage sent to be timed, admitted and vetted as an assigned one is (4.00,
+    4.03); ``load`` opens its files in a folder of the worker's work folder (both the worker's).
     """
 
     def __init__(self, client: TensorClient, name: str, slowdown: SlowdownSchedule,
-                 admit: Callable[[Envelope], None],
+                 read_stage: Callable[..., tuple[StageAssignment, dict[str, bytes]]],
                  load: Callable[[StageAssignment, dict[str, bytes], str], StageSession]):
         self._client = client
         self._name = name
         self._slowdown = slowdown
-        self._admit = admit
+        self._read_stage = read_stage
         self._load = load
 
     def register(self, server: TensorServer) -> None:
@@ -66,19 +62,9 @@ class Measurement:
 
     def _read_profile(self, envelope: Envelope) -> tuple[StageAssignment, dict[str, bytes], ProfileOptions]:
         """The stage to time, admitted and vetted like an assigned one, and how to time it."""
-        self._admit(envelope)
-        try:
-            profile_fields = tuple(f.name for f in dataclasses.fields(ProfileOptions))
-            assignment, files = StageAssignment.from_envelope(envelope, beside=profile_fields)
-            vet_stage_files(assignment, files)
-            options = ProfileOptions.from_envelope(envelope)
-        except ProtocolError as error:
-            raise BadRequest(str(error)) from None
-        except GraphRefused as error:
-            raise Forbidden(f"profiling refused: {error}") from None
-        except EdgertError as error:
-            raise BadRequest(f"profiling refused: {error}") from None
-        return assignment, files, options
+        profile_fields = tuple(f.name for f in dataclasses.fields(ProfileOptions))
+        assignment, files = self._read_stage(envelope, beside=profile_fields, purpose="profiling")
+        return assignment, files, read_request(ProfileOptions.from_envelope, envelope)
 
     async def _time_stage(self, assignment: StageAssignment, files: dict[str, bytes],
                           options: ProfileOptions) -> dict:

@@ -104,7 +104,8 @@ class Worker:
         self.inputs = StageInputs(self.current)
         self.weights = StageWeights(self.current, self.client, self.outbox, config.slowdown, config.limits,
                                     own_url=lambda: self.url)
-        self.measurement = Measurement(self.client, config.name, config.slowdown, admit=self._admit, load=self._load)
+        self.measurement = Measurement(self.client, config.name, config.slowdown, read_stage=self._read_stage,
+                                       load=self._load)
         self.compute = ComputeThread(self.current, self.outbox, config.name, after_step=self.weights.replicate)
         self._workdir = Path(config.workdir) if config.workdir else Path(tempfile.mkdtemp(prefix="edgert-worker-"))
         self._owns_workdir = config.workdir is None
@@ -186,20 +187,22 @@ class Worker:
         return Envelope(kind="control", run_id=assignment.run_id, stage=assignment.entry.index,
                         meta={"loaded": True, "load_ms": load_ms, "worker": self.config.name})
 
-    def _read_stage(self, envelope: Envelope) -> tuple[StageAssignment, dict[str, bytes]]:
-        """The assignment and its files, admitted and vetted before the running job is touched."""
+    def _read_stage(self, envelope: Envelope, beside: tuple[str, ...] = (),
+                    purpose: str = "stage") -> tuple[StageAssignment, dict[str, bytes]]:
+        """A stage sent to be run (``purpose`` "stage") or timed ("profiling"), with its files, admitted and
+        vetted before anything is touched; ``beside``: other fields its meta may hold."""
         self._admit(envelope)
         try:
-            assignment, files = StageAssignment.from_envelope(envelope)
-            if not assignment.peers.coordinator:
+            assignment, files = StageAssignment.from_envelope(envelope, beside)
+            if purpose == "stage" and not assignment.peers.coordinator:
                 raise ProtocolError("stage assignment names no coordinator (meta.peers.coordinator)")
             vet_stage_files(assignment, files)
         except ProtocolError as error:
             raise BadRequest(str(error)) from None
         except GraphRefused as error:
-            raise Forbidden(f"stage refused: {error}") from None
+            raise Forbidden(f"{purpose} refused: {error}") from None
         except EdgertError as error:
-            raise BadRequest(f"stage refused: {error}") from None
+            raise BadRequest(f"{purpose} refused: {error}") from None
         return assignment, files
 
     def _admit(self, envelope: Envelope) -> None:
