@@ -37,7 +37,7 @@ import click
 from edgert.cli.lazy_group import LazyGroup
 from edgert.errors import EdgertError
 
-# name: (its module in edgert/cli/, its help: the line `edgert --help` lists without importing the module)
+# name: (its module in edgert/cli/, its help: the line `edgert --help` lists, in this order, without importing it)
 COMMANDS = {
     "bench": ("bench", "Measure edgert's subsystems (loopback, this machine)."),
     "check": ("export", "Train PLAN's stages chained in one process and compare with the unsplit model."),
