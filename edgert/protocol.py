@@ -341,7 +341,10 @@ MAX_PROFILE_MICRO_BATCH, MAX_PROFILE_REPEATS = 4096, 100
 
 @dataclass(frozen=True)
 class ProfileOptions:
-    """``POST /profile``'s own fields (beside the stage assignment): micro-batch size and repetitions."""
+    """``POST /profile``'s own fields (beside the stage assignment): micro-batch size and repetitions.
+
+    The defaults are also ``edgert profile``'s and :func:`edgert.coordinator.profiling.profile_devices`'.
+    """
 
     micro_batch: int = 16
     repeats: int = 5
@@ -350,7 +353,8 @@ class ProfileOptions:
     def from_envelope(cls, envelope: Envelope) -> ProfileOptions:
         try:
             meta = envelope.meta
-            options = cls(fields.integer(meta, "micro_batch", 16, 1), fields.integer(meta, "repeats", 5, 1))
+            options = cls(fields.integer(meta, "micro_batch", cls.micro_batch, 1),
+                          fields.integer(meta, "repeats", cls.repeats, 1))
         except fields.MALFORMED as error:
             raise ProtocolError(f"POST /profile: {fields.why(error)}") from None
         if options.micro_batch > MAX_PROFILE_MICRO_BATCH or options.repeats > MAX_PROFILE_REPEATS:

@@ -6,11 +6,11 @@ name`` imports the submodule when ``name`` is one. The rules (issue 16; the map 
 
 1. ``edgert.transport`` and ``edgert.models`` import nothing of edgert outside themselves but
    ``edgert.errors`` (the base error).
-2. What ``edgert worker`` loads, ``edgert.worker`` and everything it imports, with the command
-   line that starts it, holds no ``edgert.exporter``, ``edgert.coordinator``, ``edgert.bench``,
-   ``onnx``, ``torch`` or ``sklearn``. In ``edgert.cli`` a command's body runs only for that
-   command, so there the closure follows module-level code, the worker command and the functions
-   they name, not the other commands' bodies.
+2. What ``edgert worker`` loads holds no ``edgert.exporter``, ``edgert.coordinator``, ``edgert.bench``,
+   ``onnx``, ``torch`` or ``sklearn``: ``edgert.worker``, the ``edgert.cli`` package and the module its
+   table ``COMMANDS`` names for the worker command, with everything they import. ``edgert.cli``
+   imports a command's module only when that command runs (edgert/cli/lazy_group.py), so the other
+   commands' modules are not part of it.
 3. The contract (``edgert/*.py``) imports neither role, nor the exporter, benchmarks or CLI.
 4. The worker, the coordinator, the contract and the transport never import ``edgert.bench``.
 
@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,13 +41,12 @@ WORKER_COMMAND = "worker"
 
 @dataclass(frozen=True)
 class Import:
-    """One import statement's target, where it is written, and in which top-level function or class."""
+    """One import statement's target and where it is written (at module level or in a function)."""
 
     source: str
     path: str
     line: int
     target: str
-    scope: str | None  # the top-level def/class whose body holds it; None at module level
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line} imports {self.target}"
@@ -88,7 +88,7 @@ class ImportGraph:
 
     def _imports(self, module: Module):
         package = module.name if module.is_package else module.name.rpartition(".")[0]
-        for scope, node in _scoped_nodes(module.tree):
+        for node in ast.walk(module.tree):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -102,31 +102,12 @@ class ImportGraph:
             else:
                 continue
             for target in dict.fromkeys(targets):
-                yield Import(module.name, module.path, node.lineno, target, scope)
+                yield Import(module.name, module.path, node.lineno, target)
 
     def loads(self, target: str) -> list[str]:
         """The modules of this graph that importing ``target`` runs: its packages' ``__init__``, then it."""
         parts = target.split(".")
         return [name for name in (".".join(parts[:k]) for k in range(1, len(parts) + 1)) if name in self.modules]
-
-
-def _scoped_nodes(tree: ast.Module):
-    """(scope, node) for every node; scope names the top-level function or class whose code holds it.
-
-    A function's decorators and defaults belong to it: for a click command they say how its options
-    are parsed (``type=CoapUrl()``, ``cls=Group``), code that runs only when that command runs.
-    """
-    for statement in tree.body:
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for part in (*statement.decorator_list, statement.args, *statement.body):
-                yield from ((statement.name, node) for node in ast.walk(part))
-        elif isinstance(statement, ast.ClassDef):
-            for item in statement.body:
-                method = isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
-                yield from ((statement.name if method else None, node) for node in ast.walk(item))
-            yield from ((None, node) for part in statement.decorator_list for node in ast.walk(part))
-        else:
-            yield from ((None, node) for node in ast.walk(statement))
 
 
 def _is_import_call(node: ast.AST) -> bool:
@@ -138,44 +119,18 @@ def _is_import_call(node: ast.AST) -> bool:
     return name in ("import_module", "__import__") and isinstance(node.args[0].value, str)
 
 
-# -- the CLI: which function bodies run for `edgert worker` ---------------------------------------
+# -- the CLI: which module holds the worker command ----------------------------------------------
 
-def cli_scopes_run(graph: ImportGraph, command: str = WORKER_COMMAND) -> set[tuple[str, str]]:
-    """(module, top-level name) of every CLI function or class that ``edgert <command>`` may run.
-
-    Module-level code and the command's function run; so does every top-level function or class
-    they name, in the same module or imported from another ``edgert.cli`` module, and so on.
-    """
-    cli = {name: m for name, m in graph.modules.items() if inside(name, "edgert.cli")}
-    defined = {name: {s.name: s for s in m.tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                     ast.ClassDef))} for name, m in cli.items()}
-    bound = {name: _names_bound_to_cli(graph, m) for name, m in cli.items()}
-    queue = deque((name, None) for name in cli)
-    queue += [(name, f) for name, defs in defined.items() for f, s in defs.items() if _is_command(s, command)]
-    run: set[tuple[str, str | None]] = set(queue)
-    while queue:
-        module, scope = queue.popleft()
-        for ref_scope, node in _scoped_nodes(cli[module].tree):
-            if ref_scope != scope or not isinstance(node, ast.Name):
-                continue
-            where = (module, node.id) if node.id in defined[module] else bound[module].get(node.id)
-            if where is not None and where[1] in defined.get(where[0], {}) and where not in run:
-                run.add(where)
-                queue.append(where)
-    return {(module, scope) for module, scope in run if scope is not None}
-
-
-def _names_bound_to_cli(graph: ImportGraph, module: Module) -> dict[str, tuple[str, str]]:
-    """Names this module imports from another CLI module: local name -> (module, name there)."""
-    names = {}
-    for node in ast.walk(module.tree):
-        if isinstance(node, ast.ImportFrom) and node.module and inside(node.module, "edgert.cli"):
-            names.update({(a.asname or a.name): (node.module, a.name) for a in node.names})
-    return names
+def command_module(graph: ImportGraph, command: str = WORKER_COMMAND) -> str:
+    """The module ``edgert <command>`` runs from: its entry in the table ``COMMANDS`` of ``edgert.cli``."""
+    table = next(ast.literal_eval(statement.value) for statement in graph.modules["edgert.cli"].tree.body
+                 if isinstance(statement, ast.Assign) and [getattr(t, "id", None) for t in statement.targets]
+                 == ["COMMANDS"])
+    return f"edgert.cli.{table[command][0]}"
 
 
 def _is_command(statement: ast.stmt, command: str) -> bool:
-    """Whether a ``@<group>.command("<command>")`` decorator names this function."""
+    """Whether a ``@click.command("<command>")`` decorator names this function."""
     return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "command"
                and d.args and isinstance(d.args[0], ast.Constant) and d.args[0].value == command
                for d in getattr(statement, "decorator_list", ()))
@@ -210,22 +165,23 @@ def bench_violations(graph: ImportGraph) -> list[str]:
             for name in runtime for i in graph.modules[name].imports if inside(i.target, "edgert.bench")]
 
 
-def board_violations(graph: ImportGraph, command: str = WORKER_COMMAND) -> list[str]:
-    """Rule 2: what ``edgert <command>`` and ``edgert.worker`` load holds none of BOARD_FORBIDDEN."""
-    return board_closure(graph, command)[1]
+def board_violations(graph: ImportGraph) -> list[str]:
+    """Rule 2: what ``edgert worker`` and ``edgert.worker`` load holds none of BOARD_FORBIDDEN."""
+    return board_closure(graph)[1]
 
 
-def board_closure(graph: ImportGraph, command: str = WORKER_COMMAND) -> tuple[dict[str, str | None], list[str]]:
-    """The modules the worker loads (each with the module that first imported it) and the forbidden imports."""
-    cli_run = cli_scopes_run(graph, command)
-    roots = [n for n in graph.modules if inside(n, "edgert.worker") or n in ("edgert.cli", "edgert.__main__")]
+def board_closure(graph: ImportGraph) -> tuple[dict[str, str | None], list[str]]:
+    """The modules the worker loads (each with the module that first imported it) and the forbidden imports.
+
+    The roots: ``edgert.worker``, ``python -m edgert``, the ``edgert.cli`` package and the worker command's module.
+    """
+    entry = [n for n in ("edgert.__main__", "edgert.cli", command_module(graph)) if n in graph.modules]
+    roots = [n for n in graph.modules if inside(n, "edgert.worker")] + entry
     came_from: dict[str, str | None] = {name: None for name in roots}
     queue, violations = deque(roots), []
     while queue:
         module = queue.popleft()
         for i in graph.modules[module].imports:
-            if inside(module, "edgert.cli") and i.scope is not None and (module, i.scope) not in cli_run:
-                continue  # another command's body
             forbidden = [f for f in BOARD_FORBIDDEN if inside(i.target, f)]
             if forbidden:
                 path = " -> ".join(_chain(came_from, module))
@@ -261,9 +217,9 @@ def test_the_graph_covers_every_package(graph):
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert set(packages) <= {name for name, m in graph.modules.items() if m.is_package}
     assert {"edgert.protocol", "edgert.worker.worker", "edgert.transport.codec"} <= set(graph.modules)
-    commands = [(name, s.name) for name, m in graph.modules.items() if inside(name, "edgert.cli")
+    commands = [name for name, m in graph.modules.items() if inside(name, "edgert.cli")
                 for s in m.tree.body if _is_command(s, WORKER_COMMAND)]
-    assert len(commands) == 1 and commands[0] in cli_scopes_run(graph), commands  # the closure starts there
+    assert commands == [command_module(graph)]  # the closure starts there
 
 
 @pytest.mark.parametrize("package", ["edgert.transport", "edgert.models"])
@@ -299,6 +255,22 @@ def test_the_static_closure_holds_what_the_worker_command_really_loads(graph):
     assert loaded - set(reached) - {"edgert"} == set()
 
 
+def test_the_command_line_loads_a_command_only_when_it_runs():
+    """``edgert --help`` lists every command of the table and imports none; each loads from the module named."""
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom edgert.cli import main\n"
+            "print(CliRunner().invoke(main, ['--help']).output)\n"
+            "print('MODULES', *sorted(m for m in sys.modules if m.startswith('edgert.cli.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    listing, _, loaded = result.stdout.partition("MODULES")
+    assert result.returncode == 0 and loaded.split() == ["edgert.cli.lazy_group"], result.stdout + result.stderr
+    from edgert.cli import COMMANDS, main
+
+    for name, (module, text) in COMMANDS.items():
+        command = main.get_command(click.Context(main), name)
+        assert (f"  {name} " in listing, command.callback.__module__, command.help) == (
+            True, f"edgert.cli.{module}", text)
+
+
 # -- each rule can fail: a fake repository breaking one rule at a time ----------------------------
 
 CLEAN = {
@@ -312,26 +284,30 @@ CLEAN = {
     "edgert/coordinator/run.py": "import onnx\nfrom edgert.exporter import plan\n",
     "edgert/bench/__init__.py": "",
     "edgert/bench/faults.py": "from edgert.worker import executor\n",
-    "edgert/cli/__init__.py": "def main(): ...\n\ndef _register():\n    from edgert.cli import runtime\n\n"
-                              "_register()\n",
+    "edgert/cli/__init__.py": textwrap.dedent("""\
+        import importlib
+        from edgert.cli import lazy_group
+
+        COMMANDS = {"train": ("train", "Train a plan."), "worker": ("worker", "Run a stage.")}
+
+        def load(name):
+            return importlib.import_module(f"edgert.cli.{COMMANDS[name][0]}")
+        """),
+    "edgert/cli/lazy_group.py": "import click\n",
     "edgert/cli/params.py": "class Url:\n    def convert(self):\n        from edgert.transport import urls\n",
-    "edgert/cli/runtime.py": textwrap.dedent("""\
-        from edgert.cli import main
+    "edgert/cli/worker.py": textwrap.dedent("""\
+        import click
         from edgert.cli.params import Url
 
-        @main.command("worker", type=Url())
+        @click.command("worker", type=Url())
         def worker_command():
             from edgert.worker.executor import run
             _helper()
 
         def _helper():
             import numpy
-
-        @main.command("train")
-        def train_command():
-            from edgert.coordinator import run
-            import onnx
         """),
+    "edgert/cli/train.py": "from edgert.coordinator import run\nimport onnx\n",
     "transport/__init__.py": "",
     "transport/urls.py": "from edgert.errors import EdgertError\nfrom .codec import codec\n",
     "transport/codec.py": "",
@@ -362,9 +338,9 @@ def test_the_clean_fake_repository_keeps_every_rule(tmp_path):
     assert all_violations(graph) == []
     reached, _ = board_closure(graph)
     # from-imports of submodules, relative imports, the worker command's helpers, a param type's method
-    assert {"edgert.schedule", "edgert.protocol", "edgert.cli.params", "edgert.transport.urls",
-            "edgert.transport.codec"} <= set(reached)
-    assert "edgert.coordinator.run" not in reached  # only the train command's body imports it
+    assert {"edgert.schedule", "edgert.protocol", "edgert.cli.lazy_group", "edgert.cli.params",
+            "edgert.transport.urls", "edgert.transport.codec"} <= set(reached)
+    assert not {"edgert.cli.train", "edgert.coordinator.run"} & set(reached)  # loaded only when train runs
 
 
 @pytest.mark.parametrize("file,text,violation", [
@@ -377,8 +353,8 @@ def test_the_clean_fake_repository_keeps_every_rule(tmp_path):
      "edgert/schedule.py:2 imports edgert.worker.executor (the contract must not import a role)"),
     ("edgert/schedule.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import edgert.coordinator.run\n",
      "edgert/schedule.py:3 imports edgert.coordinator.run (the contract must not import a role)"),
-    ("edgert/protocol.py", "def report():\n    from edgert.cli.runtime import worker_command\n",
-     "edgert/protocol.py:2 imports edgert.cli.runtime (the contract must not import edgert.cli)"),
+    ("edgert/protocol.py", "def report():\n    from edgert.cli.worker import worker_command\n",
+     "edgert/protocol.py:2 imports edgert.cli.worker (the contract must not import edgert.cli)"),
     ("edgert/worker/executor.py", "from ..coordinator import run\n",
      "edgert/worker/executor.py:1 imports edgert.coordinator.run (edgert worker must not load edgert.coordinator; "
      "loaded through edgert.worker.executor)"),
@@ -393,10 +369,18 @@ def test_the_clean_fake_repository_keeps_every_rule(tmp_path):
      "edgert.worker.executor -> edgert.protocol)"),
     ("edgert/cli/params.py", "class Url:\n    def convert(self):\n        from edgert.exporter.plan import p\n",
      "edgert/cli/params.py:3 imports edgert.exporter.plan (edgert worker must not load edgert.exporter; loaded "
-     "through edgert.cli -> edgert.cli.runtime -> edgert.cli.params)"),
-    ("edgert/cli/runtime.py", CLEAN["edgert/cli/runtime.py"].replace("import numpy", "import onnx"),
-     "edgert/cli/runtime.py:10 imports onnx (edgert worker must not load onnx; loaded through edgert.cli -> "
-     "edgert.cli.runtime)"),
+     "through edgert.cli.worker -> edgert.cli.params)"),
+    ("edgert/cli/worker.py", CLEAN["edgert/cli/worker.py"].replace("import numpy", "import onnx"),
+     "edgert/cli/worker.py:10 imports onnx (edgert worker must not load onnx; loaded through edgert.cli.worker)"),
+    ("edgert/cli/worker.py", CLEAN["edgert/cli/worker.py"] + "from edgert.cli.train import summary\n",
+     "edgert/cli/train.py:1 imports edgert.coordinator.run (edgert worker must not load edgert.coordinator; "
+     "loaded through edgert.cli.worker -> edgert.cli.train)"),
+    ("edgert/cli/__init__.py", CLEAN["edgert/cli/__init__.py"] + "from edgert.cli import train\n",
+     "edgert/cli/train.py:2 imports onnx (edgert worker must not load onnx; loaded through edgert.cli -> "
+     "edgert.cli.train)"),
+    ("edgert/cli/__init__.py", CLEAN["edgert/cli/__init__.py"].replace('"worker": ("worker"', '"worker": ("train"'),
+     "edgert/cli/train.py:1 imports edgert.coordinator.run (edgert worker must not load edgert.coordinator; "
+     "loaded through edgert.cli.train)"),
 ])
 def test_each_rule_names_the_offending_import(tmp_path, file, text, violation):
     violations = all_violations(fake_graph(tmp_path, {file: text}))

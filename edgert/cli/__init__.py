@@ -1,35 +1,60 @@
 """The ``edgert`` command line: thin click commands over library functions.
 
-Map: each command module registers one family of commands on :data:`main`.
+Map: :data:`COMMANDS` names each command's module and help; ``main`` imports a module only when
+one of its commands runs or shows its help (:mod:`.lazy_group`), so each command loads its own room.
 
-- ``runtime.py``   ``edgert worker|train|profile``: the runtime (``worker`` needs no host extra)
-- ``doctor.py``    ``edgert doctor``: is this board ready to be a worker
-- ``keys.py``      ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); the security options
-- ``export.py``    ``edgert export|inspect|check|merge|plan`` (host)
-- ``zoo.py``       ``edgert zoo list|build`` (host)
-- ``demo.py``      ``edgert demo`` (host)
-- ``bench.py``     ``edgert bench ...`` (host)
-- ``params.py``    option types that check URLs and codec specs with the library's own parsers
-- ``host.py``      the check host-only commands run first: is the ``host`` extra installed
-- ``table.py``     the plain-text tables and sizes the commands print
+- ``worker.py``     ``edgert worker``: the on-device runtime (board-side code only, no host extra)
+- ``doctor.py``     ``edgert doctor``: is this board ready to be a worker
+- ``train.py``      ``edgert train``: the central node, its options' defaults those of ``TrainConfig``
+- ``profile.py``    ``edgert profile``: measure the workers and their links for the planner (host)
+- ``keys.py``       ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); the security options
+- ``export.py``     ``edgert export|inspect|check|merge|plan`` (host)
+- ``zoo.py``        ``edgert zoo list|build`` (host)
+- ``demo.py``       ``edgert demo`` (host)
+- ``bench.py``      ``edgert bench ...`` (host)
+- ``lazy_group.py`` the click group that lists commands from a table and imports one only when it runs
+- ``params.py``     option types that check URLs and codec specs with the library's own parsers; ``--log-level``
+- ``host.py``       the check host-only commands run first: is the ``host`` extra installed
+- ``table.py``      the plain-text tables and sizes the commands print
 
 Every error a user can fix ends the command with one ``error:`` line on stderr and a
 non-zero exit code (2: edgert's errors and bad options, 1: the operating system refused);
 anything else is a bug and shows its traceback.
 
-Host commands import ``edgert.exporter`` / ``edgert.models`` inside the command body, so a
-board without the ``host`` extra can still run the runtime commands (tests/test_architecture.py
-checks what ``edgert worker`` loads).
+A board without the ``host`` extra can still run the runtime commands: host commands check for
+it first and import ``edgert.exporter`` / ``edgert.models`` inside the command body
+(tests/test_architecture.py checks what ``edgert worker`` loads).
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import NoReturn
 
 import click
 
+from edgert.cli.lazy_group import LazyGroup
 from edgert.errors import EdgertError
+
+# name: (its module in edgert/cli/, its help: the line `edgert --help` lists, in this order, without importing it)
+COMMANDS = {
+    "bench": ("bench", "Measure edgert's subsystems (loopback, this machine)."),
+    "check": ("export", "Train PLAN's stages chained in one process and compare with the unsplit model."),
+    "demo": ("demo", "Build a zoo model, cut it into stages, train it on local workers, report."),
+    "doctor": ("doctor", "Check that this device can run 'edgert worker'; exit 1 if anything FAILs."),
+    "export": ("export", "Cut MODEL into pipeline stages and build their ORT training artifacts."),
+    "inspect": ("export", "Show a plan folder's stages, or an ONNX model's blocks and legal cuts."),
+    "keys": ("keys", "The cluster identity: create it, enrol and revoke devices (docs/SECURITY.md)."),
+    "merge": ("export", "Stitch RUN's trained stages back into one ONNX inference model."),
+    "plan": ("export", "Cut MODEL for the devices DEVICES measured: cuts, device order, codecs, threads; export "
+                       "the plan."),
+    "profile": ("profile", "Measure each worker on MODEL's units (forward, backward, memory) and every link "
+                           "between workers."),
+    "train": ("train", "Train PLAN across WORKERS (one per stage) and record the run."),
+    "worker": ("worker", "Run the on-device runtime: serve CoAP, train whatever stage the coordinator assigns."),
+    "zoo": ("zoo", "The model zoo: small ONNX models built locally with seeded weights."),
+}
 
 
 class _Group(click.Group):
@@ -69,14 +94,19 @@ def _os_error_line(error: OSError) -> str:
     return f"{error.filename}: {reason}"
 
 
-@click.group(cls=_Group)
+class _Main(LazyGroup, _Group):
+    """``edgert``: the commands of :data:`COMMANDS`, each imported from its module when it runs."""
+
+    helps = {name: text for name, (_, text) in COMMANDS.items()}
+
+    def load(self, name: str) -> click.Command:
+        """The click command named ``name`` in the module :data:`COMMANDS` gives."""
+        module = importlib.import_module(f"edgert.cli.{COMMANDS[name][0]}")
+        return next(command for command in vars(module).values()
+                    if isinstance(command, click.Command) and command.name == name)
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="edgert")
 def main() -> None:
     """edgert: train one network across several weak, unequal edge devices."""
-
-
-def _register_commands() -> None:
-    from edgert.cli import bench, demo, doctor, export, keys, runtime, zoo  # noqa: F401  (each registers itself on main)
-
-
-_register_commands()

@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from edgert.cli import main
+from edgert.cli.lazy_group import LazyGroup
 
 # name: (needs the host extra, what it measures: the command's help and its line in `edgert bench --help`)
 BENCHMARKS = {
@@ -31,33 +31,26 @@ BENCHMARKS = {
 }
 
 
-class _Benchmarks(click.Group):
+class _Benchmarks(LazyGroup):
     """The ``bench`` group: a command per entry of :data:`BENCHMARKS`, built from its module when asked for."""
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(BENCHMARKS)
+    helps = {name: text for name, (_, text) in BENCHMARKS.items()}
+    whole_lines = True  # each says what its benchmark measures
 
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in BENCHMARKS:
-            return None
-        needs_host, text = BENCHMARKS[name]
-        if needs_host:
+    def load(self, name: str) -> click.Command:
+        if BENCHMARKS[name][0]:
             from edgert.cli.host import require_host_extra
 
             require_host_extra(f"bench {name}")
-        return _command(name, importlib.import_module(f"edgert.bench.{name}"), text)
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with formatter.section("Commands"):  # without importing every benchmark
-            formatter.write_dl([(name, text) for name, (_, text) in BENCHMARKS.items()])
+        return _command(name, importlib.import_module(f"edgert.bench.{name}"))
 
 
-@main.group(cls=_Benchmarks)
+@click.group("bench", cls=_Benchmarks)
 def bench() -> None:
-    """Measure edgert's subsystems (loopback, this machine)."""
+    pass  # its help is its line in edgert.cli.COMMANDS
 
 
-def _command(name: str, module: ModuleType, text: str) -> click.Command:
+def _command(name: str, module: ModuleType) -> click.Command:
     """``edgert bench <name>``: the options of ``module.BenchConfig``, ``module.run``, ``module.format_table``."""
     config_type = module.BenchConfig
     fields = {f.name: f for f in dataclasses.fields(config_type)}
@@ -74,7 +67,7 @@ def _command(name: str, module: ModuleType, text: str) -> click.Command:
     params: list[click.Parameter] = [click.Option(
         ["--json", "as_json"], is_flag=True, help='Print one JSON object {"rows": [...], "ratios": {...}, ...}.')]
     params += [_option(f) for f in fields.values() if _spec(f) is not None]
-    return click.Command(name, callback=callback, params=params, help=text)
+    return click.Command(name, callback=callback, params=params)
 
 
 def _spec(field: dataclasses.Field):

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from edgert.cli import main
 from edgert.cli.host import require_host_extra
 from edgert.schedule import SCHEDULES
 
@@ -16,7 +15,7 @@ def _say(text: str) -> None:
     click.echo(text, err=True)
 
 
-@main.command("demo")
+@click.command("demo")
 @click.option("--model", default="cnn", show_default=True, help="Zoo model to build and train.")
 @click.option("--stages", type=int, default=4, show_default=True, help="Stages, one local worker each.")
 @click.option("--epochs", type=int, default=8, show_default=True)
@@ -30,9 +29,8 @@ def _say(text: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
 def demo_command(model: str, stages: int, epochs: int, batch_size: int, micro_batches: int, schedule: str,
                  learning_rate: float, slowdowns: str | None, out_dir: Path | None, as_json: bool) -> None:
-    """Build a zoo model, cut it into stages, train it on local workers, report."""
     require_host_extra("demo")
-    from edgert.cli.runtime import print_summary
+    from edgert.cli.train import print_summary
     from edgert.coordinator.coordinator import TrainConfig, train
     from edgert.coordinator.localcluster import LocalCluster
     from edgert.coordinator.runlog import holds_run, new_run_folder

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import click
 
-from edgert.cli import main
 from edgert.cli.table import format_table
 from edgert.transport.coap_tcp import DEFAULT_PORT
 
 
-@main.command("doctor")
+@click.command("doctor")
 @click.option("--providers", default="cpu", show_default=True, envvar="EDGERT_PROVIDERS",
               help="The execution providers the worker will be started with.")
 @click.option("--credential", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -24,7 +23,6 @@ from edgert.transport.coap_tcp import DEFAULT_PORT
               help="A plan folder exported on the host: load and train one micro-batch of every stage here.")
 def doctor_command(providers: str, credential: Path | None, port: int, workdir: Path | None,
                    plan: Path | None) -> None:
-    """Check that this device can run 'edgert worker'; exit 1 if anything FAILs."""
     from edgert.worker.readiness import FAIL, ReadinessOptions, check_board
 
     options = ReadinessOptions(providers=providers, credential=credential, listen_port=port, workdir=workdir,

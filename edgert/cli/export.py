@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from edgert.cli import main
 from edgert.cli.host import require_host_extra
 from edgert.cli.table import format_table, human_bytes, human_count
 from edgert.manifest import TrainingConfig
@@ -22,7 +21,7 @@ def _split(values: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in values.split(",") if v.strip()) if values else ()
 
 
-@main.command("export")
+@click.command("export")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Plan folder to write.")
@@ -40,7 +39,6 @@ def _split(values: str | None) -> tuple[str, ...]:
 def export_command(model: Path, out_dir: Path, stages: int | None, cuts: str | None, loss: str | None,
                    optimizer: str, learning_rate: float, weight_decay: float, momentum: float,
                    output: str | None, block_depth: int | None, frozen: str | None) -> None:
-    """Cut MODEL into pipeline stages and build their ORT training artifacts."""
     require_host_extra("export")
     from edgert.exporter.export import ExportOptions, choose_cuts, prepare_analysis, write_plan
     from edgert.exporter.source import load_source_model
@@ -62,12 +60,11 @@ def export_command(model: Path, out_dir: Path, stages: int | None, cuts: str | N
     click.echo(_stage_table(manifest, out_dir))
 
 
-@main.command("inspect")
+@click.command("inspect")
 @click.argument("target", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--block-depth", type=int, default=None, help="For an .onnx file: name-scope depth of blocks.")
 def inspect_command(target: Path, as_json: bool, block_depth: int | None) -> None:
-    """Show a plan folder's stages, or an ONNX model's blocks and legal cuts."""
     if target.is_dir():
         from edgert.manifest import load_manifest
 
@@ -85,7 +82,7 @@ def inspect_command(target: Path, as_json: bool, block_depth: int | None) -> Non
         click.echo(_block_table(analysis))
 
 
-@main.command("check")
+@click.command("check")
 @click.argument("plan", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The source model (default: the copy in the plan folder).")
@@ -96,7 +93,6 @@ def inspect_command(target: Path, as_json: bool, block_depth: int | None) -> Non
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def check_command(plan: Path, model: Path | None, steps: int, batch_size: int, seed: int, tolerance: float,
                   as_json: bool) -> None:
-    """Train PLAN's stages chained in one process and compare with the unsplit model."""
     require_host_extra("check")
     from edgert.exporter.check import check_plan
 
@@ -117,11 +113,10 @@ def check_command(plan: Path, model: Path | None, steps: int, batch_size: int, s
         raise SystemExit(1)
 
 
-@main.command("merge")
+@click.command("merge")
 @click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 def merge_command(run: Path, out_path: Path) -> None:
-    """Stitch RUN's trained stages back into one ONNX inference model."""
     require_host_extra("merge")
     from edgert.exporter.merge import merge_run
 
@@ -176,7 +171,7 @@ def _analysis_json(analysis) -> dict:
     }
 
 
-@main.command("plan")
+@click.command("plan")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--devices", "devices_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="devices.json from `edgert profile`.")
@@ -190,7 +185,6 @@ def _analysis_json(analysis) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print placement.json's content.")
 def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int, micro_batches: int, schedule: str,
                  memory_mode: str, learning_rate: float, optimizer: str, as_json: bool) -> None:
-    """Cut MODEL for the devices DEVICES measured: cuts, device order, codecs, threads; export the plan."""
     require_host_extra("plan")
     from dataclasses import asdict
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 
-from edgert.cli import main
 from edgert.errors import EdgertError
 from edgert.transport.tls import write_private
 
@@ -22,9 +21,9 @@ def _default_keys() -> Path:
     return DEFAULT_DIR
 
 
-@main.group("keys")
+@click.group("keys")
 def keys_group() -> None:
-    """The cluster identity: create it, enrol and revoke devices (docs/SECURITY.md)."""
+    pass  # its help is its line in edgert.cli.COMMANDS
 
 
 @keys_group.command("init")
@@ -135,3 +134,15 @@ def host_keys(keys: Path | None, insecure: bool) -> Path | None:
 def default_listen(secure: bool, port: int) -> str:
     """Where a server listens when --listen is not given."""
     return f"{'coaps+tcp' if secure else 'coap+tcp'}://0.0.0.0:{port}"
+
+
+def check_listen(listen: str | None, secure: bool, udp: bool = False) -> None:
+    """With credentials a server listens on coaps+tcp:// (or, for a worker, coap:// protected with OSCORE)."""
+    if listen is None:
+        return
+    scheme = listen.partition("://")[0]
+    if secure and scheme != "coaps+tcp" and not (udp and scheme == "coap"):
+        raise click.UsageError(f"--listen {listen}: with credentials, listen on coaps+tcp://"
+                               f"{' or coap:// (OSCORE)' if udp else ''} (plaintext needs --insecure)")
+    if not secure and scheme == "coaps+tcp":
+        raise click.UsageError(f"--listen {listen}: coaps+tcp needs credentials (--credential / --keys)")

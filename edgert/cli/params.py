@@ -2,11 +2,14 @@
 
 A URL goes through :func:`edgert.transport.urls.parse_url` and a codec spec through
 :func:`edgert.transport.codec.get_codec` (the parser the worker uses too), so the command
-line refuses exactly what the runtime would, in one line naming the option.
+line refuses exactly what the runtime would, in one line naming the option. ``--log-level`` is
+the option the long-running commands (``worker``, ``train``) share.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 import click
@@ -55,3 +58,13 @@ class CodecSpec(click.ParamType):
             return get_codec(value).spec
         except ValueError as error:
             self.fail(str(error), param, ctx)
+
+
+log_level_option = click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+                                default="warning")
+
+
+def start_logging(level: str) -> None:
+    """Log to stderr from ``level`` (``--log-level``) up."""
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")

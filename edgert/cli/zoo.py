@@ -7,14 +7,13 @@ from pathlib import Path
 
 import click
 
-from edgert.cli import main
 from edgert.cli.host import require_host_extra
 from edgert.cli.table import format_table, human_count
 
 
-@main.group("zoo")
+@click.group("zoo")
 def zoo() -> None:
-    """The model zoo: small ONNX models built locally with seeded weights."""
+    pass  # its help is its line in edgert.cli.COMMANDS
 
 
 @zoo.command("list")

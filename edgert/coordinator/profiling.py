@@ -21,7 +21,7 @@ from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.source import load_source_model
 from edgert.manifest import Manifest, TrainingConfig
-from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, StageAssignment
+from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, ProfileOptions, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.security.keystore import HostSecurity
@@ -57,7 +57,8 @@ def export_profile_plans(model_path: str | Path, out_dir: Path,
     return ProfilePlans(out_dir / "units", units, out_dir / "whole", whole)
 
 
-def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = 16, repeats: int = 5,
+def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = ProfileOptions.micro_batch,
+                    repeats: int = ProfileOptions.repeats,
                     progress: Progress = lambda _: None, memory_mode: str = RunSettings.memory_mode,
                     security: HostSecurity | None = None) -> DevicesFile:
     """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking.

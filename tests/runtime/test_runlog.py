@@ -12,7 +12,7 @@ import tracemalloc
 
 import pytest
 
-from edgert.cli.runtime import print_summary
+from edgert.cli.train import print_summary
 from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.ledger import StepLedger
 from edgert.coordinator.run_summary import RunSummary, summarise

@@ -1,16 +1,18 @@
 """The stage assignment on the wire: one routine writes and reads it, strictly; its settings' defaults are
-``edgert train``'s."""
+``edgert train``'s, as ``POST /profile``'s options' are ``edgert profile``'s."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
+import click
 import pytest
 
 from edgert.coordinator.coordinator import TrainConfig
 from edgert.errors import ProtocolError
 from edgert.manifest import ArtifactFile, BoundaryTensor, ParameterInfo, StageEntry, TrainingConfig
-from edgert.protocol import Peers, StageAssignment, read_request
+from edgert.protocol import Peers, ProfileOptions, StageAssignment, read_request
 from edgert.run_settings import RunSettings
 from edgert.transport import BadRequest, Envelope
 from edgert.transport.envelope import decode_envelope, encode_envelope
@@ -93,15 +95,35 @@ def test_the_signature_fields_and_the_profile_options_may_share_the_meta():
     assert StageAssignment.from_envelope(envelope, beside=("micro_batch",))[0] == ASSIGNMENT
 
 
-def test_edgert_train_defaults_are_the_settings_defaults(tmp_path):
+def option_defaults(command: str) -> dict:
+    """``edgert <command>``'s options' defaults, by parameter name (a flag or a repeatable option states none)."""
     from edgert.cli import main
 
+    return {param.name: param.default for param in main.get_command(click.Context(main), command).params
+            if not getattr(param, "is_flag", False) and not param.multiple}
+
+
+def test_edgert_train_defaults_are_the_settings_defaults(tmp_path):
     training = TrainingConfig()
     assert TrainConfig(tmp_path, ("coap+tcp://h:1",), tmp_path).run_settings(training) == RunSettings(training)
-    options = {param.name: param.default for param in main.commands["train"].params}
-    defaults = {f.name: f.default for f in dataclasses.fields(RunSettings) if f.name != "training"}
-    assert {"codec": defaults["forward_codec"], "grad_codec": defaults["backward_codec"],
-            "threads": defaults["forward_threads"], "step_timeout": defaults["wait_timeout"],
-            "memory_mode": defaults["memory_mode"], "replicate_every": defaults["replicate_every"],
-            "central_every": defaults["central_every"]} == {name: options[name] for name in (
-                "codec", "grad_codec", "threads", "step_timeout", "memory_mode", "replicate_every", "central_every")}
+    options = option_defaults("train")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    field_of = {"codec": "forward_codec", "grad_codec": "backward_codec", "threads": "forward_threads"}
+    fields = {option: field_of.get(option, option) for option in options
+              if field_of.get(option, option) in defaults and option != "listen"}  # --listen's follows --insecure
+    assert {"data", "epochs", "steps", "batch_size", "micro_batches", "schedule", "learning_rate", "seed", "codec",
+            "grad_codec", "threads", "memory_mode", "step_timeout", "replan", "replan_every", "replan_threshold",
+            "replicate_every", "central_every", "replicas"} <= set(fields)
+    assert {option: options[option] for option in fields} == {option: defaults[f] for option, f in fields.items()}
+
+
+def test_edgert_profile_defaults_are_the_profile_options():
+    from edgert.coordinator.profiling import profile_devices
+
+    options = option_defaults("profile")
+    signature = inspect.signature(profile_devices).parameters
+    expected = {"micro_batch": ProfileOptions().micro_batch, "repeats": ProfileOptions().repeats,
+                "memory_mode": RunSettings.memory_mode}
+    assert {name: options[name] for name in expected} == expected
+    assert {name: signature[name].default for name in expected} == expected
+    assert ProfileOptions.from_envelope(Envelope(kind="control")) == ProfileOptions()  # a worker asked nothing
