@@ -4,7 +4,7 @@ Map of the package (the folder layout is the architecture; tests/test_architectu
 
 - ``edgert/`` top level: the contract the worker and the coordinator both speak; imports neither role
   - ``errors.py``         :class:`EdgertError` and the errors both sides raise: one line a user can act on
-  - ``protocol.py``       the runtime's messages and resources (docs/PROTOCOL.md)
+  - ``protocol/``         the runtime's messages and resources, one module per family (docs/PROTOCOL.md)
   - ``meta_fields.py``    reading a message's ``meta`` fields, one strict rule per kind of field
   - ``run_settings.py``   :class:`RunSettings`: what every stage of a run is told, each default stated once
   - ``manifest.py``       :class:`Manifest`: the on-disk plan format (docs/MANIFEST.md)

@@ -139,9 +139,10 @@ def _is_command(statement: ast.stmt, command: str) -> bool:
 # -- the rules ------------------------------------------------------------------------------------
 
 def contract_modules(graph: ImportGraph) -> list[str]:
-    """``edgert/*.py``: the modules both roles speak (not the package's ``__init__``/``__main__``)."""
+    """``edgert/*.py`` and ``edgert/protocol/``: what both roles speak (not ``edgert/__init__``, ``__main__``)."""
     return [name for name, m in graph.modules.items()
-            if name.count(".") == 1 and inside(name, "edgert") and not m.is_package and name != "edgert.__main__"]
+            if (name.count(".") == 1 and inside(name, "edgert") and not m.is_package and name != "edgert.__main__")
+            or inside(name, "edgert.protocol")]
 
 
 def own_room_violations(graph: ImportGraph, package: str) -> list[str]:

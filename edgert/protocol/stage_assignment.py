@@ -1,0 +1,124 @@
+"""``PUT /stage`` and ``POST /profile``: which stage a worker takes, under the run's settings; /probe's target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgert import meta_fields as fields
+from edgert.errors import ProtocolError
+from edgert.manifest import ArtifactFile, StageEntry, needed_roles
+from edgert.protocol.resources import CRL, MAX_PROFILE_MICRO_BATCH, MAX_PROFILE_REPEATS, OPTIONAL_URL, SIGNATURE, is_url
+from edgert.run_settings import RunSettings
+from edgert.transport import Envelope
+from edgert.typed_data import at_least, load_dataclass, satisfies, to_data
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Where a stage sends activations, gradients and reports; over TLS the neighbours' credential names
+    are the only senders of its activations (``previous_name``) and gradients (``next_name``)."""
+
+    previous: str | None = field(metadata=OPTIONAL_URL)  # None (or ""): the first stage
+    next: str | None = field(metadata=OPTIONAL_URL)  # None (or ""): the last stage
+    coordinator: str = field(metadata=OPTIONAL_URL)  # "": none (a stage sent to be profiled)
+    previous_name: str | None = None
+    next_name: str | None = None
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """``PUT /stage`` (and ``POST /profile``): which stage a worker trains, under the run's settings.
+
+    ``meta`` is every field but ``run_id`` (the envelope's), written and read by
+    :mod:`edgert.typed_data` (docs/PROTOCOL.md, "The stage assignment"); the artifact files
+    travel as uint8 tensors named by role.
+    """
+
+    run_id: str
+    entry: StageEntry
+    stages: int = field(metadata=at_least(1))
+    peers: Peers
+    settings: RunSettings
+    replica_targets: tuple[str, ...] = field(default=(), metadata=satisfies(
+        lambda urls: all(is_url(u) for u in urls), "must be worker URLs"))
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The artifact roles this stage needs (its memory mode decides the stash files)."""
+        return needed_roles(self.entry, self.settings.memory_mode)
+
+    @property
+    def artifacts(self) -> tuple[ArtifactFile, ...]:
+        """The entry's artifact files the worker gets: those of :attr:`roles`."""
+        return tuple(a for a in self.entry.artifacts if a.role in self.roles)
+
+    def read_files(self, plan_dir: Path) -> dict[str, bytes]:
+        """The files to send with this assignment, by role, read from the plan folder."""
+        return {a.role: (plan_dir / a.path).read_bytes() for a in self.artifacts}
+
+    def to_envelope(self, files: dict[str, bytes]) -> Envelope:
+        meta = to_data(self)
+        del meta["run_id"]
+        tensors = {role: np.frombuffer(data, dtype=np.uint8) for role, data in files.items()}
+        return Envelope(kind="stage", run_id=self.run_id, stage=self.entry.index, tensors=tensors, meta=meta)
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope,
+                      beside: tuple[str, ...] = ()) -> tuple[StageAssignment, dict[str, bytes]]:
+        """The assignment and its files; ``meta`` may hold nothing else but the signature fields and
+        ``beside`` (another message's fields sharing the meta: ``POST /profile``'s options)."""
+        meta = {key: value for key, value in envelope.meta.items() if key not in (SIGNATURE, CRL, *beside)}
+        if "run_id" in meta:
+            raise ProtocolError("stage assignment is malformed: unknown field 'run_id' (the envelope's run_id "
+                                "names the run)")
+        try:
+            assignment = load_dataclass(cls, {**meta, "run_id": envelope.run_id}, "meta", ProtocolError)
+        except ProtocolError as error:
+            raise ProtocolError(f"stage assignment is malformed: {error}") from None
+        entry = assignment.entry
+        if not assignment.run_id:
+            raise ProtocolError("stage assignment has no run_id")
+        if envelope.stage != entry.index or entry.index >= assignment.stages:
+            raise ProtocolError(f"stage assignment: envelope stage {envelope.stage}, entry index {entry.index} and "
+                                f"{assignment.stages} stages do not agree")
+        files = {}
+        for role, array in envelope.tensors.items():
+            if array.dtype != np.uint8 or array.ndim != 1:
+                raise ProtocolError(f"stage assignment: file {role!r} must be a 1-D uint8 tensor")
+            files[role] = array.tobytes()
+        return assignment, files
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """``POST /profile``'s own fields (beside the stage assignment): micro-batch size and repetitions.
+
+    The defaults are also ``edgert profile``'s and :func:`edgert.coordinator.profiling.profile_devices`'.
+    """
+
+    micro_batch: int = 16
+    repeats: int = 5
+
+    @classmethod
+    def from_envelope(cls, envelope: Envelope) -> ProfileOptions:
+        try:
+            meta = envelope.meta
+            options = cls(fields.integer(meta, "micro_batch", cls.micro_batch, 1),
+                          fields.integer(meta, "repeats", cls.repeats, 1))
+        except fields.MALFORMED as error:
+            raise ProtocolError(f"POST /profile: {fields.why(error)}") from None
+        if options.micro_batch > MAX_PROFILE_MICRO_BATCH or options.repeats > MAX_PROFILE_REPEATS:
+            raise ProtocolError(f"POST /profile: micro_batch {options.micro_batch} or repeats {options.repeats} "
+                                f"beyond {MAX_PROFILE_MICRO_BATCH} and {MAX_PROFILE_REPEATS}")
+        return options
+
+
+def probe_target(envelope: Envelope) -> str:
+    """``POST /probe``'s ``meta.target``: the worker URL to time the link to."""
+    try:
+        return fields.url(envelope.meta.get("target"), "meta.target")
+    except fields.MALFORMED as error:
+        raise ProtocolError(f"POST /probe needs meta.target, a worker URL: {error}") from None
