@@ -32,6 +32,7 @@ RUNTIME_ROLES = ("backward", "eval", "infer", "parameters")
 # ... and with activation stashing (a stage that is not the last).
 STASH_ROLES = ("forward_stash", "backward_stash")
 MEMORY_MODES = ("recompute", "stash")
+OPTIMIZERS = ("adamw", "sgd")  # TrainingConfig.optimizer (edgert.optimizer builds them)
 
 
 def needed_roles(entry: StageEntry, memory_mode: str = "recompute") -> tuple[str, ...]:

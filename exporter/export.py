@@ -23,6 +23,7 @@ from edgert.exporter.normalise import FROZEN_METADATA, normalise
 from edgert.exporter.slice import StageGraph, slice_stage, stage_ranges
 from edgert.exporter.source import SOURCE_FILE, SourceModel, load_source_model
 from edgert.manifest import (
+    OPTIMIZERS,
     ArtifactFile,
     BoundaryTensor,
     Manifest,
@@ -148,8 +149,8 @@ def _build_or_reuse(stage: StageGraph, training: TrainingConfig, out_dir: Path, 
 def _check_training_config(training: TrainingConfig) -> None:
     if training.loss not in ("cross_entropy", "mse"):
         raise ExportError(f"unknown loss {training.loss!r}; choose cross_entropy or mse")
-    if training.optimizer not in ("adamw", "sgd"):
-        raise ExportError(f"unknown optimizer {training.optimizer!r}; choose adamw or sgd")
+    if training.optimizer not in OPTIMIZERS:
+        raise ExportError(f"unknown optimizer {training.optimizer!r}; choose {' or '.join(OPTIMIZERS)}")
     if not training.learning_rate > 0:
         raise ExportError(f"learning rate must be positive (got {training.learning_rate})")
     if training.weight_decay < 0:

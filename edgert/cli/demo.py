@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from edgert.cli.host import require_host_extra
+from edgert.coordinator.coordinator import TrainConfig
 from edgert.schedule import SCHEDULES
 
 
@@ -19,9 +20,9 @@ def _say(text: str) -> None:
 @click.option("--model", default="cnn", show_default=True, help="Zoo model to build and train.")
 @click.option("--stages", type=int, default=4, show_default=True, help="Stages, one local worker each.")
 @click.option("--epochs", type=int, default=8, show_default=True)
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--micro-batches", type=int, default=4, show_default=True)
-@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True)
+@click.option("--batch-size", type=int, default=TrainConfig.batch_size, show_default=True)
+@click.option("--micro-batches", type=int, default=TrainConfig.micro_batches, show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=TrainConfig.schedule, show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=3e-3, show_default=True)
 @click.option("--slowdowns", default=None, help="Emulated slowdown per worker, e.g. 1,2,5,10.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,

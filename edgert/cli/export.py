@@ -9,7 +9,9 @@ import click
 
 from edgert.cli.host import require_host_extra
 from edgert.cli.table import format_table, human_bytes, human_count
-from edgert.manifest import TrainingConfig
+from edgert.coordinator.coordinator import TrainConfig
+from edgert.manifest import MEMORY_MODES, OPTIMIZERS, TrainingConfig
+from edgert.run_settings import RunSettings
 from edgert.schedule import SCHEDULES
 
 
@@ -29,10 +31,10 @@ def _split(values: str | None) -> tuple[str, ...]:
 @click.option("--cuts", default=None, help="Explicit cuts: block indices, block names or node names, comma-separated.")
 @click.option("--loss", type=click.Choice(["cross-entropy", "mse"]), default=None,
               help="Loss on the last stage (default: the model's edgert.loss metadata, else cross-entropy).")
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
-@click.option("--lr", "learning_rate", type=float, default=1e-3, show_default=True)
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=TrainingConfig.optimizer, show_default=True)
+@click.option("--lr", "learning_rate", type=float, default=TrainingConfig.learning_rate, show_default=True)
+@click.option("--weight-decay", type=float, default=TrainingConfig.weight_decay, show_default=True)
+@click.option("--momentum", type=float, default=TrainingConfig.momentum, show_default=True, help="SGD momentum.")
 @click.option("--output", default=None, help="Graph output that is the prediction (default: the first).")
 @click.option("--block-depth", type=int, default=None, help="Name-scope depth that defines blocks (default: auto).")
 @click.option("--frozen", default=None, help="Initializers not to train, comma-separated.")
@@ -176,12 +178,12 @@ def _analysis_json(analysis) -> dict:
 @click.option("--devices", "devices_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="devices.json from `edgert profile`.")
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--micro-batches", type=int, default=4, show_default=True)
-@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True)
-@click.option("--memory-mode", type=click.Choice(["recompute", "stash"]), default="recompute", show_default=True)
-@click.option("--lr", "learning_rate", type=float, default=1e-3, show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@click.option("--batch-size", type=int, default=TrainConfig.batch_size, show_default=True)
+@click.option("--micro-batches", type=int, default=TrainConfig.micro_batches, show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=TrainConfig.schedule, show_default=True)
+@click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=RunSettings.memory_mode, show_default=True)
+@click.option("--lr", "learning_rate", type=float, default=TrainingConfig.learning_rate, show_default=True)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=TrainingConfig.optimizer, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print placement.json's content.")
 def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int, micro_batches: int, schedule: str,
                  memory_mode: str, learning_rate: float, optimizer: str, as_json: bool) -> None:
