@@ -87,7 +87,7 @@ def _option(field: dataclasses.Field) -> click.Option:
     elif spec.parse:
         kind = _Parsed(spec.parse, flag)
     elif spec.type is Path:
-        kind = click.Path(path_type=Path)
+        kind = click.Path(file_okay=False, path_type=Path)  # a benchmark's paths are folders it writes into
     else:
         kind = spec.type or type(field.default)
     default = spec.show(field.default) if spec.show else field.default  # as one would type it
