@@ -275,4 +275,4 @@ def local_cluster_keys(folder: Path, names: list[str], cluster: str = "local") -
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
+    return datetime.datetime.now(datetime.timezone.utc)
