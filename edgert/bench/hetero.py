@@ -114,9 +114,9 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
             rows.extend(spread["rows"])
             ratios.update(spread["ratios"])
         if config.part in ("all", "slowdown"):
-            recovery = _recovery(config, model, source, analysis, scratch, common)
-            rows.extend(recovery["rows"])
-            ratios["steps_to_recover_after_slowdown"] = recovery["steps"]
+            slowdown = _slowdown(config, model, source, analysis, scratch, common)
+            rows.extend(slowdown["rows"])
+            ratios["steps_to_recover_after_slowdown"] = slowdown["steps"]
     return result(rows, ratios, model=config.model, schedule=config.schedule, memory_mode=config.memory_mode)
 
 
@@ -159,8 +159,8 @@ def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, c
     speeds = sum(1 / s for s in SPREAD)
     # each round's planned run against the fastest device alone just before and just after it
     ideals = [(before + after) / 2 * speeds for before, after in zip(alones, alones[1:])]
-    ratios = [rate / ideal for rate, ideal in zip(planned_rates, ideals)]
-    middle = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    vs_ideal = [rate / ideal for rate, ideal in zip(planned_rates, ideals)]
+    middle = sorted(range(len(vs_ideal)), key=vs_ideal.__getitem__)[len(vs_ideal) // 2]
     planned = planned_rates[middle]
     rows.append({"run": "planned", "devices": order, "cuts": cuts, "samples_per_s": round(planned, 1),
                  "predicted_step_ms": round(predicted, 2),
@@ -169,9 +169,9 @@ def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, c
                  "samples_per_s": round(equal_rate, 1)})
     rows.append({"run": "x1 alone (whole model), between the rounds", "samples_per_s": [round(a, 1) for a in alones],
                  "ideal_sum_of_speeds": round(ideals[middle], 1),
-                 "rounds_planned_vs_ideal": [round(r, 3) for r in ratios]})
+                 "rounds_planned_vs_ideal": [round(r, 3) for r in vs_ideal]})
     return {"rows": rows, "ratios": {"planned_vs_equal": ratio(planned, equal_rate, 3),
-                                     "planned_vs_ideal": round(ratios[middle], 3)}}
+                                     "planned_vs_ideal": round(vs_ideal[middle], 3)}}
 
 
 def _equal(source, analysis, cuts: list[int], scratch: Path, urls: list[str], common: dict) -> float:
@@ -181,7 +181,7 @@ def _equal(source, analysis, cuts: list[int], scratch: Path, urls: list[str], co
     return steady_rate(records, 3)
 
 
-def _recovery(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
+def _slowdown(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
     """One device slows from 1x to 8x mid-run; re-planning must bring throughput back."""
     base = 2 * config.slowdown_base  # three devices at the base speed: twice the headroom of the 1/2/5/10 cluster
     after = [f"{base:g}"] * 3 + [f"{8 * base:g}"]
