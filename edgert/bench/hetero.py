@@ -45,9 +45,9 @@ from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.planner.replanner import Replanner
 from edgert.exporter.planner.solver import plan
 from edgert.exporter.source import load_source_model
-from edgert.manifest import TrainingConfig
+from edgert.manifest import MEMORY_MODES, TrainingConfig
 from edgert.models import build_model, save_model
-from edgert.schedule import microbatches_per_step
+from edgert.schedule import SCHEDULES, microbatches_per_step
 
 SPREAD = (1, 2, 5, 10)
 
@@ -60,8 +60,8 @@ class BenchConfig:
     batch_size: int = option(64, "Samples per step.")
     micro_batches: int = option(4, "Micro-batches per step.")
     steps: int = option(60, "Steps of each planned run.")
-    schedule: str = option("async", "Pipeline schedule.")
-    memory_mode: str = option("stash", "Memory mode of the stages.")
+    schedule: str = option("async", "Pipeline schedule.", choices=SCHEDULES)
+    memory_mode: str = option("stash", "Memory mode of the stages.", choices=MEMORY_MODES)
     change_at: int = option(30, "Step at which one device slows from 1x to 8x (the slowdown part).")
     slowdown_base: float = option(2.0, "Factor applied to every emulated slowdown.")
     rounds: int = option(3, "Planned runs, each between two runs of the fastest device alone (median reported).")
@@ -69,6 +69,11 @@ class BenchConfig:
     part: str = option("all", "The 1/2/5/10x comparison, the mid-run slowdown, or both.",
                        choices=("all", "spread", "slowdown"))
     progress: Progress = progress_field()
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per micro-batch: what the devices are profiled with."""
+        return self.batch_size // microbatches_per_step(self.schedule, self.micro_batches)
 
     def check(self) -> None:
         if self.rounds < 1:
@@ -109,9 +114,9 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
             rows.extend(spread["rows"])
             ratios.update(spread["ratios"])
         if config.part in ("all", "slowdown"):
-            recovery = _recovery(config, model, source, analysis, scratch, common)
-            rows.extend(recovery["rows"])
-            ratios["steps_to_recover_after_slowdown"] = recovery["steps"]
+            slowdown = _slowdown(config, model, source, analysis, scratch, common)
+            rows.extend(slowdown["rows"])
+            ratios["steps_to_recover_after_slowdown"] = slowdown["steps"]
     return result(rows, ratios, model=config.model, schedule=config.schedule, memory_mode=config.memory_mode)
 
 
@@ -121,11 +126,11 @@ format_table = key_value_lines  # no table of its own: every row as key=value, t
 def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
     """Four devices at 1, 2, 5 and 10x: planned cuts against equal cuts and against the ideal."""
     rows = []
-    micro = config.batch_size // microbatches_per_step(config.schedule, config.micro_batches)
     names = [f"x{s}" for s in SPREAD]
     factors = [f"{s * config.slowdown_base:g}" for s in SPREAD]
     with LocalCluster(4, slowdowns=factors, names=names) as cluster:
-        devices = profile_devices(model, cluster.urls, micro_batch=micro, repeats=3, memory_mode=config.memory_mode)
+        devices = profile_devices(model, cluster.urls, micro_batch=config.micro_batch, repeats=3,
+                                  memory_mode=config.memory_mode)
         save_devices(devices, scratch / "devices.json")
         by_name = dict(zip(names, cluster.urls))
         write_plan(source, analysis, [], scratch / "whole-plan", TrainingConfig())
@@ -133,7 +138,7 @@ def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, c
         def alone(tag: str) -> float:
             """The fastest device training the whole model by itself (measured between the rounds)."""
             _, records = train_run(scratch / "whole-plan", [by_name["x1"]], scratch / f"run-alone-{tag}",
-                             **{**common, "steps": 25, "memory_mode": "recompute"})
+                                   **{**common, "steps": 25, "memory_mode": "recompute"})
             return steady_rate(records, 5)
 
         cuts, order, predicted = planned_cuts(model, scratch, scratch / "devices.json", names, config.batch_size,
@@ -154,8 +159,8 @@ def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, c
     speeds = sum(1 / s for s in SPREAD)
     # each round's planned run against the fastest device alone just before and just after it
     ideals = [(before + after) / 2 * speeds for before, after in zip(alones, alones[1:])]
-    ratios = [rate / ideal for rate, ideal in zip(planned_rates, ideals)]
-    middle = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    vs_ideal = [rate / ideal for rate, ideal in zip(planned_rates, ideals)]
+    middle = sorted(range(len(vs_ideal)), key=vs_ideal.__getitem__)[len(vs_ideal) // 2]
     planned = planned_rates[middle]
     rows.append({"run": "planned", "devices": order, "cuts": cuts, "samples_per_s": round(planned, 1),
                  "predicted_step_ms": round(predicted, 2),
@@ -164,9 +169,9 @@ def _spread(config: BenchConfig, model: Path, source, analysis, scratch: Path, c
                  "samples_per_s": round(equal_rate, 1)})
     rows.append({"run": "x1 alone (whole model), between the rounds", "samples_per_s": [round(a, 1) for a in alones],
                  "ideal_sum_of_speeds": round(ideals[middle], 1),
-                 "rounds_planned_vs_ideal": [round(r, 3) for r in ratios]})
+                 "rounds_planned_vs_ideal": [round(r, 3) for r in vs_ideal]})
     return {"rows": rows, "ratios": {"planned_vs_equal": ratio(planned, equal_rate, 3),
-                                     "planned_vs_ideal": round(ratios[middle], 3)}}
+                                     "planned_vs_ideal": round(vs_ideal[middle], 3)}}
 
 
 def _equal(source, analysis, cuts: list[int], scratch: Path, urls: list[str], common: dict) -> float:
@@ -176,29 +181,29 @@ def _equal(source, analysis, cuts: list[int], scratch: Path, urls: list[str], co
     return steady_rate(records, 3)
 
 
-def _recovery(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
+def _slowdown(config: BenchConfig, model: Path, source, analysis, scratch: Path, common: dict) -> dict:
     """One device slows from 1x to 8x mid-run; re-planning must bring throughput back."""
     base = 2 * config.slowdown_base  # three devices at the base speed: twice the headroom of the 1/2/5/10 cluster
     after = [f"{base:g}"] * 3 + [f"{8 * base:g}"]
     names = ["a", "b", "c", "d"]
     schedules = [f"{base:g}"] * 3 + [f"0:{base:g},{config.change_at}:{8 * base:g}"]
     with LocalCluster(4, slowdowns=list(after), names=names) as cluster:
-        devices = profile_devices(model, cluster.urls, micro_batch=config.batch_size // (
-            microbatches_per_step(config.schedule, config.micro_batches)), repeats=3, memory_mode=config.memory_mode)
+        devices = profile_devices(model, cluster.urls, micro_batch=config.micro_batch, repeats=3,
+                                  memory_mode=config.memory_mode)
         save_devices(devices, scratch / "devices-after.json")
         cuts, order, _ = planned_cuts(model, scratch, scratch / "devices-after.json", names, config.batch_size,
                                       config.micro_batches, config.schedule, config.memory_mode)
         write_plan(source, analysis, cuts, scratch / "after", TrainingConfig())
         by_name = dict(zip(names, cluster.urls))
         _, records = train_run(scratch / "after", [by_name[n] for n in order], scratch / "run-after",
-                         **{**common, "steps": 20})
+                               **{**common, "steps": 20})
         new_ideal = steady_rate(records, 5)
     with LocalCluster(4, slowdowns=schedules, names=names) as cluster:
         equal = balanced_cuts(analysis, 4)
         write_plan(source, analysis, equal, scratch / "start", TrainingConfig())
         steps = config.change_at + 30
         _, records = train_run(scratch / "start", cluster.urls, scratch / "run-change",
-                         **{**common, "steps": steps, "replan": "auto", "replan_every": 5})
+                               **{**common, "steps": steps, "replan": "auto", "replan_every": 5})
     steps = [m for m in records if m["type"] == "step"]
     window = 3  # a rate over a few steps: one quick step is not a recovery
     recovered = None

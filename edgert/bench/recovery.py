@@ -74,7 +74,7 @@ from edgert.coordinator.coordinator import TrainConfig, train
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
 from edgert.errors import EdgertError
-from edgert.schedule import microbatches_per_step
+from edgert.schedule import SCHEDULES, microbatches_per_step
 
 STAGES = 4
 COMPUTING = ("forward", "backward")  # a victim's /health activity while it computes: "mid-step"
@@ -93,7 +93,7 @@ class BenchConfig:
     central_every: int = option(100, "Steps between copies to the coordinator.")
     batch_size: int = option(64, "Samples per step.")
     micro_batches: int = option(4, "Micro-batches per step.")
-    schedule: str = option("1f1b", "Pipeline schedule.", choices=("gpipe", "1f1b", "async"))
+    schedule: str = option("1f1b", "Pipeline schedule.", choices=SCHEDULES)
     learning_rate: float = option(3e-3, "Learning rate of the exported plan.", flag="--lr")
     threads: int = option(1, "ORT intra-op threads per worker session.")
     repeats: int = option(6, "Pairs of throughput runs (with / without replication, alternating).")

@@ -13,13 +13,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from edgert.cli.lazy_group import LazyGroup
+
+if TYPE_CHECKING:
+    from edgert.bench.harness import Option
 
 # name: (needs the host extra, what it measures: the command's help and its line in `edgert bench --help`)
 BENCHMARKS = {
@@ -70,7 +74,8 @@ def _command(name: str, module: ModuleType) -> click.Command:
     return click.Command(name, callback=callback, params=params)
 
 
-def _spec(field: dataclasses.Field):
+def _spec(field: dataclasses.Field) -> Option | None:
+    """How ``field`` appears on the command line; None for a field that is no option (``progress``)."""
     from edgert.bench.harness import OPTION
 
     return field.metadata.get(OPTION)
@@ -98,7 +103,7 @@ def _option(field: dataclasses.Field) -> click.Option:
 class _Parsed(click.ParamType):
     """A value read by the benchmark's own parser (a size list, a size), its ValueError a usage error."""
 
-    def __init__(self, parse, flag: str):
+    def __init__(self, parse: Callable[[str], Any], flag: str):
         self.parse = parse
         self.name = flag[2:].upper()
 

@@ -13,5 +13,7 @@ Map of the package (docs/PLANNER.md):
 - ``brute.py``      :func:`brute_force`: the exhaustive reference for tests
 - ``replanner.py``  :class:`Replanner`: measured or predicted device costs -> the problem -> a better placement?
 
-The planner never reads files; ``PlanError`` (exporter/errors.py) says why no placement exists.
+:func:`plan` and everything it calls touch no files (``replanner.py`` is the side that reads
+``devices.json`` and the plan's source and writes re-cut plans); ``PlanError`` (exporter/errors.py) says why no
+placement exists.
 """

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from edgert.devices import DeviceProfile, DevicesFile, load_devices
 from edgert.exporter.analyse import ModelAnalysis
-from edgert.exporter.errors import PredictorError
+from edgert.exporter.errors import PlanError, PredictorError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.normalise import frozen_in
-from edgert.exporter.predictor.features import block_features
-from edgert.exporter.predictor.latency import LatencyPredictor, join_features
+from edgert.exporter.predictor.features import block_features, join_features
+from edgert.exporter.predictor.latency import LatencyPredictor
 from edgert.exporter.predictor.observations import observations_from_devices
 from edgert.exporter.source import SOURCE_FILE, load_plan_source
 from edgert.manifest import Manifest
@@ -347,7 +347,6 @@ class Replanner:
     def _current_ms(self, manifest: Manifest, workers: list[str] | None, candidates: list[str]) -> float:
         """The predicted step time of ``manifest``'s stages on ``workers``; infinite when no placement runs,
         or when it no longer fits (a worker left)."""
-        from edgert.exporter.errors import PlanError
         from edgert.exporter.planner.solver import evaluate
 
         if workers is None or len(workers) != len(manifest.stages):
