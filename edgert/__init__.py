@@ -5,7 +5,6 @@ Map of the package (the folder layout is the architecture; tests/test_architectu
 - ``edgert/`` top level: the contract the worker and the coordinator both speak; imports neither role
   - ``errors.py``         :class:`EdgertError` and the errors both sides raise: one line a user can act on
   - ``protocol/``         the runtime's messages and resources, one module per family (docs/PROTOCOL.md)
-  - ``meta_fields.py``    reading a message's ``meta`` fields, one strict rule per kind of field
   - ``run_settings.py``   :class:`RunSettings`: what every stage of a run is told, each default stated once
   - ``manifest.py``       :class:`Manifest`: the on-disk plan format (docs/MANIFEST.md)
   - ``schedule.py``       the schedule vocabulary: gpipe / 1f1b / async, typed actions (``2F0``), micro-batches, windows
@@ -17,7 +16,7 @@ Map of the package (the folder layout is the architecture; tests/test_architectu
   - ``checkpoint.py``     :class:`CheckpointInfo`: a checkpoint folder's ``checkpoint.json``
   - ``devices.py``        ``devices.json``: what each device measured (docs/DEVICES.md)
   - ``typed_data.py``     nested dataclasses <-> plain maps, read strictly: manifest, devices.json, checkpoint.json,
-                          the stage assignment on the wire
+                          every runtime message's ``meta`` on the wire (one rule per field, in its metadata)
   - ``ort_import.py``     the one way onnxruntime is imported: stock or training build, never torch
   - ``providers.py``      the execution providers a worker's sessions use (``--providers``)
 - ``edgert.worker``       ``edgert worker``: what runs on a board (never loads exporter, coordinator, bench, onnx)

@@ -14,12 +14,14 @@ current run). Coordinator resources: ``/report`` (POST: step reports, :class:`St
 (FETCH: :class:`WeightsQuery` with ``copy_step``).
 
 Each request body a worker or the coordinator takes is read into one of the dataclasses here by its
-``from_envelope`` (or :func:`stop_reason`), which raises :class:`ProtocolError` (a 4.00
-naming the field) for anything malformed; handlers only see typed messages.
+``from_envelope`` (or :func:`stop_reason`): :func:`~edgert.protocol.resources.load_meta` (:mod:`edgert.typed_data`, each field's
+rule in its metadata), then the message's cross-field checks; anything malformed raises
+:class:`ProtocolError` (a 4.00 naming the field); handlers only see typed messages.
 
 Map of the package (every name is also importable from ``edgert.protocol``):
 
-- ``resources.py``         resource names, message kinds, limits; :func:`read_request` (a malformed body is a 4.00)
+- ``resources.py``         resource names, message kinds, limits, field rules; :func:`load_meta`, :func:`read_request`
+  (a malformed body is a 4.00)
 - ``stage_assignment.py``  :class:`StageAssignment` (``PUT /stage``, ``POST /profile``), :class:`Peers`,
   :class:`ProfileOptions`
 - ``run_commands.py``      :class:`Segment` (``POST /run``), hold and truncate, :func:`stop_reason` (``POST /stop``)

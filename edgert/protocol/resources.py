@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from edgert.errors import ProtocolError
 from edgert.transport import BadRequest
 from edgert.transport.urls import parse_url
-from edgert.typed_data import satisfies
+from edgert.typed_data import load_dataclass, satisfies
 
 HEALTH, STAGE, RUN, STOP, WEIGHTS, REPORT, BATCH = "health", "stage", "run", "stop", "weights", "report", "batch"
 
@@ -55,7 +55,26 @@ def is_url(value: str) -> bool:
     return True
 
 
+URL = satisfies(is_url, "must be a worker URL (coap+tcp://, coaps+tcp:// or coap:// host:port)")
+
+
 OPTIONAL_URL = satisfies(lambda value: value == "" or is_url(value), "must be a worker URL or \"\"")
+
+
+PARAMETER_NAMES = satisfies(all, "must be parameter names (non-empty text)")
+
+
+def load_meta(cls: type[T], meta: dict, what: str, **envelope_fields: Any) -> T:
+    """``cls`` read from a message's ``meta`` by :func:`~edgert.typed_data.load_dataclass`, with the fields
+    the envelope itself carries (``envelope_fields``, which ``meta`` must not repeat); a problem is a
+    ProtocolError "``what`` is malformed: ``meta.<path>``: ..." (a 4.00)."""
+    for name in envelope_fields:
+        if name in meta:
+            raise ProtocolError(f"{what} is malformed: unknown field {name!r} (the envelope's {name} says it)")
+    try:
+        return load_dataclass(cls, {**meta, **envelope_fields} if envelope_fields else meta, "meta", ProtocolError)
+    except ProtocolError as error:
+        raise ProtocolError(f"{what} is malformed: {error}") from None
 
 
 MAX_PROFILE_MICRO_BATCH, MAX_PROFILE_REPEATS = 4096, 100

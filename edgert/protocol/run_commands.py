@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
-from edgert import meta_fields as fields
 from edgert.errors import ProtocolError
-from edgert.protocol.resources import MAX_REASON_BYTES, MAX_SEGMENT_STEPS
+from edgert.protocol.resources import MAX_REASON_BYTES, MAX_SEGMENT_STEPS, load_meta
 from edgert.schedule import SCHEDULES, MicroBatch, Schedule, Window, split_batch
 from edgert.transport import Envelope
+from edgert.typed_data import at_least, one_of, satisfies, to_data
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,13 @@ class Segment:
     inside an ``async`` segment).
     """
 
-    schedule: str
-    stages: int
-    first_step: int
-    steps: int
-    batch_size: int
-    micro_batches: int
+    schedule: str = field(metadata=one_of(SCHEDULES))
+    stages: int = field(metadata=at_least(1))
+    first_step: int = field(metadata=at_least(0))
+    steps: int = field(metadata=satisfies(lambda steps: 1 <= steps <= MAX_SEGMENT_STEPS,
+                                          f"must be 1 to {MAX_SEGMENT_STEPS} (MAX_SEGMENT_STEPS)"))
+    batch_size: int = field(metadata=at_least(1))
+    micro_batches: int = field(metadata=at_least(1))
     checkpoint_steps: tuple[int, ...] = ()
 
     def windows(self) -> list[Window]:
@@ -51,24 +52,15 @@ class Segment:
 
     def to_envelope(self, run_id: str) -> Envelope:
         return Envelope(kind="control", run_id=run_id, step=self.first_step,
-                        meta={"command": "run", **asdict(self), "checkpoint_steps": list(self.checkpoint_steps)})
+                        meta={"command": "run", **to_data(self)})
 
     @classmethod
     def from_envelope(cls, envelope: Envelope) -> Segment:
-        meta = envelope.meta
-        try:
-            segment = cls(schedule=fields.text(meta, "schedule"), stages=fields.integer(meta, "stages", minimum=1),
-                          first_step=fields.integer(meta, "first_step"), steps=fields.integer(meta, "steps", minimum=1),
-                          batch_size=fields.integer(meta, "batch_size", minimum=1),
-                          micro_batches=fields.integer(meta, "micro_batches", minimum=1),
-                          checkpoint_steps=tuple(fields.integer({"step": s}, "step")
-                                                 for s in fields.listed(meta, "checkpoint_steps", [])))
-        except fields.MALFORMED as error:
-            raise ProtocolError(f"run command is malformed: {fields.why(error)}") from None
-        if segment.schedule not in SCHEDULES or segment.micro_batches > segment.batch_size \
-                or segment.steps > MAX_SEGMENT_STEPS:
-            raise ProtocolError(f"run command is out of range (schedule one of {', '.join(SCHEDULES)}, "
-                                f"micro_batches <= batch_size, steps <= {MAX_SEGMENT_STEPS}): {segment}")
+        meta = {key: value for key, value in envelope.meta.items() if key != "command"}
+        segment = load_meta(cls, meta, "run command")
+        if segment.micro_batches > segment.batch_size:
+            raise ProtocolError(f"run command is out of range: micro_batches {segment.micro_batches} above "
+                                f"batch_size {segment.batch_size}")
         if any(not segment.first_step <= s <= segment.last_step for s in segment.checkpoint_steps):
             raise ProtocolError(f"run command's checkpoint_steps {list(segment.checkpoint_steps)} are not all in "
                                 f"steps {segment.first_step}..{segment.last_step}")
@@ -85,7 +77,7 @@ def hold_envelope(run_id: str) -> Envelope:
 def truncate_envelope(run_id: str, last_step: int) -> Envelope:
     """``POST /run`` with ``meta.command = "truncate"``: no step after ``last_step`` runs."""
     return Envelope(kind="control", run_id=run_id, step=last_step,
-                    meta={"command": "truncate", "last_step": last_step})
+                    meta={"command": "truncate", **to_data(Truncate(last_step))})
 
 
 @dataclass(frozen=True)
@@ -97,7 +89,7 @@ class Hold:
 class Truncate:
     """``POST /run`` ``truncate`` (see :func:`truncate_envelope`)."""
 
-    last_step: int
+    last_step: int = field(metadata=at_least(0))
 
 
 def run_command(envelope: Envelope) -> Segment | Hold | Truncate:
@@ -106,10 +98,8 @@ def run_command(envelope: Envelope) -> Segment | Hold | Truncate:
     if command == "hold":
         return Hold()
     if command == "truncate":
-        try:
-            return Truncate(fields.integer(envelope.meta, "last_step"))
-        except fields.MALFORMED as error:
-            raise ProtocolError(f"truncate needs meta.last_step, a step number: {fields.why(error)}") from None
+        return load_meta(Truncate, {key: value for key, value in envelope.meta.items() if key != "command"},
+                         "truncate")
     return Segment.from_envelope(envelope)
 
 

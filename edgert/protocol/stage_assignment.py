@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
-from edgert import meta_fields as fields
 from edgert.errors import ProtocolError
 from edgert.manifest import ArtifactFile, StageEntry, needed_roles
-from edgert.protocol.resources import CRL, MAX_PROFILE_MICRO_BATCH, MAX_PROFILE_REPEATS, OPTIONAL_URL, SIGNATURE, is_url
+from edgert.protocol.resources import (
+    CRL,
+    MAX_PROFILE_MICRO_BATCH,
+    MAX_PROFILE_REPEATS,
+    OPTIONAL_URL,
+    SIGNATURE,
+    URL,
+    is_url,
+    load_meta,
+)
 from edgert.run_settings import RunSettings
 from edgert.transport import Envelope
-from edgert.typed_data import at_least, load_dataclass, satisfies, to_data
+from edgert.typed_data import at_least, satisfies, to_data
 
 
 @dataclass(frozen=True)
@@ -71,13 +79,7 @@ class StageAssignment:
         """The assignment and its files; ``meta`` may hold nothing else but the signature fields and
         ``beside`` (another message's fields sharing the meta: ``POST /profile``'s options)."""
         meta = {key: value for key, value in envelope.meta.items() if key not in (SIGNATURE, CRL, *beside)}
-        if "run_id" in meta:
-            raise ProtocolError("stage assignment is malformed: unknown field 'run_id' (the envelope's run_id "
-                                "names the run)")
-        try:
-            assignment = load_dataclass(cls, {**meta, "run_id": envelope.run_id}, "meta", ProtocolError)
-        except ProtocolError as error:
-            raise ProtocolError(f"stage assignment is malformed: {error}") from None
+        assignment = load_meta(cls, meta, "stage assignment", run_id=envelope.run_id)
         entry = assignment.entry
         if not assignment.run_id:
             raise ProtocolError("stage assignment has no run_id")
@@ -99,26 +101,25 @@ class ProfileOptions:
     The defaults are also ``edgert profile``'s and :func:`edgert.coordinator.profiling.profile_devices`'.
     """
 
-    micro_batch: int = 16
-    repeats: int = 5
+    micro_batch: int = field(default=16, metadata=satisfies(lambda n: 1 <= n <= MAX_PROFILE_MICRO_BATCH,
+                                                            f"must be 1 to {MAX_PROFILE_MICRO_BATCH}"))
+    repeats: int = field(default=5, metadata=satisfies(lambda n: 1 <= n <= MAX_PROFILE_REPEATS,
+                                                       f"must be 1 to {MAX_PROFILE_REPEATS}"))
 
     @classmethod
     def from_envelope(cls, envelope: Envelope) -> ProfileOptions:
-        try:
-            meta = envelope.meta
-            options = cls(fields.integer(meta, "micro_batch", cls.micro_batch, 1),
-                          fields.integer(meta, "repeats", cls.repeats, 1))
-        except fields.MALFORMED as error:
-            raise ProtocolError(f"POST /profile: {fields.why(error)}") from None
-        if options.micro_batch > MAX_PROFILE_MICRO_BATCH or options.repeats > MAX_PROFILE_REPEATS:
-            raise ProtocolError(f"POST /profile: micro_batch {options.micro_batch} or repeats {options.repeats} "
-                                f"beyond {MAX_PROFILE_MICRO_BATCH} and {MAX_PROFILE_REPEATS}")
-        return options
+        """The options among the stage assignment's fields (see :meth:`StageAssignment.from_envelope`'s ``beside``)."""
+        mine = {key: value for key, value in envelope.meta.items() if key in {f.name for f in fields(cls)}}
+        return load_meta(cls, mine, "POST /profile")
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """``POST /probe``: time the link to the worker at ``target``."""
+
+    target: str = field(metadata=URL)
 
 
 def probe_target(envelope: Envelope) -> str:
     """``POST /probe``'s ``meta.target``: the worker URL to time the link to."""
-    try:
-        return fields.url(envelope.meta.get("target"), "meta.target")
-    except fields.MALFORMED as error:
-        raise ProtocolError(f"POST /probe needs meta.target, a worker URL: {error}") from None
+    return load_meta(ProbeRequest, envelope.meta, "POST /probe").target
