@@ -14,9 +14,10 @@ current run). Coordinator resources: ``/report`` (POST: step reports, :class:`St
 (FETCH: :class:`WeightsQuery` with ``copy_step``).
 
 Each request body a worker or the coordinator takes is read into one of the dataclasses here by its
-``from_envelope`` (or :func:`stop_reason`): :func:`~edgert.protocol.resources.load_meta` (:mod:`edgert.typed_data`, each field's
-rule in its metadata), then the message's cross-field checks; anything malformed raises
-:class:`ProtocolError` (a 4.00 naming the field); handlers only see typed messages.
+``from_envelope`` (or :func:`stop_reason`): :func:`~edgert.protocol.resources.load_meta`
+(:mod:`edgert.typed_data`, each field's rule in its metadata), then the message's cross-field
+checks; anything malformed raises :class:`ProtocolError` (a 4.00 naming the field); handlers
+only see typed messages.
 
 Map of the package (every name is also importable from ``edgert.protocol``):
 
