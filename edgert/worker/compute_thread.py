@@ -27,7 +27,7 @@ from edgert.worker.current_stage import CurrentStage
 from edgert.worker.errors import InboxAborted
 from edgert.worker.outbox import Outbox
 
-log = logging.getLogger("edgert.worker.worker")
+log = logging.getLogger("edgert.worker.compute_thread")
 REPORT_INTERVAL = 0.02  # seconds: step reports are sent together at most this often, and before any wait
 
 

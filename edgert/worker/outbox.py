@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from edgert.transport import Envelope, TensorClient
 
-log = logging.getLogger("edgert.worker.worker")
+log = logging.getLogger("edgert.worker.outbox")
 MAX_IN_FLIGHT = 16
 
 
