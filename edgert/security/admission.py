@@ -3,9 +3,10 @@
 The coordinator signs every stage assignment (``PUT /stage``, ``POST /profile``) with the
 cluster key; the signature covers the run id, the stage index and every meta field,
 among them the manifest entry with each artifact's sha256, so a file that does not
-match its hash is refused too (worker ``_load``). A worker with a credential admits a
-stage only if the signature verifies against the cluster certificate in its credential;
-every worker loads a graph only if :mod:`edgert.security.onnx_scan` finds nothing forbidden in it.
+match its hash is refused too (:func:`vet_stage_files`, before the worker writes or stops
+anything). A worker with a credential admits a stage only if the signature verifies
+against the cluster certificate in its credential; every worker loads a graph only if
+:mod:`edgert.security.onnx_scan` finds nothing forbidden in it.
 Signature format: docs/SECURITY.md, "Signed stages".
 """
 

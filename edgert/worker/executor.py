@@ -1,4 +1,5 @@
-"""Running a stage's schedule: the compute loop of a worker.
+"""Running one window of a stage's schedule, action by action (on the worker's compute thread,
+edgert.worker.compute_thread).
 
 For each window of work the executor walks its stage's action list (edgert.schedule):
 ``F`` waits for the micro-batch's inputs, runs the forward and hands the outputs to the
@@ -6,9 +7,9 @@ next stage; ``B`` waits for the gradients (or, on the last stage, the labels), r
 backward and hands the input gradients to the previous stage; ``S`` steps the optimizer.
 The last stage's forward is folded into its backward. Under the ``async`` schedule the
 weights a micro-batch's forward used are stashed and restored for its backward (PipeDream).
-Everything it does is timed, per step, for the coordinator's metrics and trace. Before the
-compute thread waits for a tensor it calls ``before_wait`` (the worker sends the step reports
-it has gathered): what it waits for may be sent only once those reports arrive.
+Everything it does is timed, per step, for the coordinator's metrics and trace. Before it
+waits for a tensor it calls ``before_wait`` (the compute thread sends the step reports it has
+gathered): what it waits for may be sent only once those reports arrive.
 """
 
 from __future__ import annotations
