@@ -11,11 +11,12 @@ name`` imports the submodule when ``name`` is one. The rules (issue 16; the map 
    table ``COMMANDS`` names for the worker command, with everything they import. ``edgert.cli``
    imports a command's module only when that command runs (edgert/cli/lazy_group.py), so the other
    commands' modules are not part of it.
-3. The contract (``edgert/*.py``) imports neither role, nor the exporter, benchmarks or CLI.
+3. The contract (``edgert/*.py`` and ``edgert/protocol/``) imports neither role, nor the exporter,
+   benchmarks or CLI.
 4. The worker, the coordinator, the contract and the transport never import ``edgert.bench``.
 
 A broken rule fails with the offending import:
-``edgert/protocol.py:36 imports edgert.worker.executor (the contract must not import a role)``.
+``edgert/schedule.py:36 imports edgert.worker.executor (the contract must not import a role)``.
 """
 
 from __future__ import annotations
