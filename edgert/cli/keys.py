@@ -21,14 +21,17 @@ def _default_keys() -> Path:
     return DEFAULT_DIR
 
 
+_keystore_option = click.option("--keys", "folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+                                help="Keystore folder (default $EDGERT_KEYS or ~/.edgert/cluster).")
+
+
 @click.group("keys")
 def keys_group() -> None:
     pass  # its help is its line in edgert.cli.COMMANDS
 
 
 @keys_group.command("init")
-@click.option("--keys", "folder", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keystore folder (default $EDGERT_KEYS or ~/.edgert/cluster).")
+@_keystore_option
 @click.option("--cluster", default="edgert", show_default=True, help="The cluster's name (in every certificate).")
 def init_command(folder: Path | None, cluster: str) -> None:
     """Create the cluster identity (a signing CA) and the coordinator's credential."""
@@ -41,8 +44,7 @@ def init_command(folder: Path | None, cluster: str) -> None:
 
 @keys_group.command("enroll")
 @click.argument("name")
-@click.option("--keys", "folder", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keystore folder (default $EDGERT_KEYS or ~/.edgert/cluster).")
+@_keystore_option
 @click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Credential file to write (default NAME.pem); copy it onto the board.")
 @click.option("--token", is_flag=True, help="Print the credential as one line instead (for 'edgert keys import').")
@@ -64,8 +66,7 @@ def enroll_command(name: str, folder: Path | None, out_path: Path | None, token:
 
 @keys_group.command("revoke")
 @click.argument("name")
-@click.option("--keys", "folder", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keystore folder (default $EDGERT_KEYS or ~/.edgert/cluster).")
+@_keystore_option
 def revoke_command(name: str, folder: Path | None) -> None:
     """Revoke device NAME: the coordinator refuses it at once, workers with the next stage they load."""
     from edgert.security.keystore import Keystore
@@ -76,8 +77,7 @@ def revoke_command(name: str, folder: Path | None) -> None:
 
 
 @keys_group.command("list")
-@click.option("--keys", "folder", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keystore folder (default $EDGERT_KEYS or ~/.edgert/cluster).")
+@_keystore_option
 def list_command(folder: Path | None) -> None:
     """The enrolled devices (never their keys)."""
     from edgert.security.keystore import Keystore
