@@ -110,14 +110,6 @@ class Inbox:
             self._aborted = None
             self.last_step = None
 
-    def discard(self, predicate) -> int:
-        """Drop held messages whose key matches ``predicate``; returns how many."""
-        with self._condition:
-            dropped = [k for k in self._items if predicate(k)]
-            for key in dropped:
-                self._drop(key)
-            return len(dropped)
-
     def _drop(self, key: Hashable) -> None:
         del self._items[key]
         self._bytes -= self._sizes.pop(key, 0)
