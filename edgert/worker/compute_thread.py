@@ -58,7 +58,7 @@ class ComputeThread:
         self._unsent_reports = []
         self._codecs = codecs
 
-    def queue(self, segment: Segment) -> None:
+    def queue_segment(self, segment: Segment) -> None:
         """Run ``segment``'s windows after those already queued."""
         windows = segment.windows()
         for k, window in enumerate(windows):

@@ -295,7 +295,7 @@ class Worker:
             raise BadRequest(f"run command is for {segment.stages} stages; this run has {stages}")
         self.current.segments.append(segment)
         self.current.health.state = "running"
-        self.compute.queue(segment)
+        self.compute.queue_segment(segment)
 
     async def _on_stop(self, request: Request) -> str:
         if request.content_format not in (None, TEXT):
