@@ -32,7 +32,7 @@ def random_tensor(tensor: BoundaryTensor, batch: int, rng: np.random.Generator) 
     return np.zeros(shape, dtype=tensor.dtype)
 
 
-def measure_stage(session: StageSession, micro_batch: int, repeats: int = 5, warmup: int = 2,
+def measure_stage(session: StageSession, micro_batch: int, repeats: int, warmup: int = 2,
                   slowdown: SlowdownSchedule | None = None, name: str | None = None) -> BlockTiming:
     """Median forward and backward milliseconds of one micro-batch, and peak bytes.
 
