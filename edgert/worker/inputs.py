@@ -75,7 +75,7 @@ class StageInputs:
 
     def _data_handler(self, path: str):
         async def handle(request: Request) -> None:
-            """Tensors from a neighbour, checked (edgert.worker.inputs) before the inbox sees them."""
+            """Tensors from a neighbour on ``path`` (/act or /grad), checked before the inbox sees them."""
             envelope, current = request.envelope, self._current
             current.check_run(envelope)
             entry, assignment = current.session.entry, current.assignment
