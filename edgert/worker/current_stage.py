@@ -1,8 +1,9 @@
 """The stage a worker runs now and how far its run has got: the one object its parts share.
 
-Installing a stage writes the assignment, session and executor; ``POST /run`` adds the
-segments and ``/stop`` clears them; the compute thread moves the health on. The inputs, the
-stage's weights and the compute thread read them here rather than from one another.
+Installing a stage (:meth:`CurrentStage.install`) writes the assignment, session, executor and
+a fresh health; ``POST /run`` announces segments and ``/stop`` forgets them; the compute thread
+moves the health on (step, loaded, failed). The inputs, the stage's weights and the compute
+thread read them here rather than from one another.
 """
 
 from __future__ import annotations
@@ -22,12 +23,31 @@ class CurrentStage:
     """The current assignment, its session and executor, the announced segments and the worker's health."""
 
     def __init__(self, name: str, slowdown: SlowdownSchedule):
+        self._name = name
+        self._slowdown = str(slowdown)
         self.assignment: StageAssignment | None = None
         self.session: StageSession | None = None
         self.executor: StageExecutor | None = None
-        self.segments: collections.deque[Segment] = collections.deque(maxlen=KEPT_SEGMENTS)
-        self.health = Health(name=name, state="idle", slowdown=str(slowdown))
+        self._segments: collections.deque[Segment] = collections.deque(maxlen=KEPT_SEGMENTS)
+        self.health = Health(name=name, state="idle", slowdown=self._slowdown)
         self.activity = ""  # overrides the executor's while loading, replicating or migrating
+
+    def install(self, assignment: StageAssignment, session: StageSession, executor: StageExecutor) -> None:
+        """``assignment``'s stage is the current one now, loaded, no step of it done yet."""
+        self.assignment, self.session, self.executor = assignment, session, executor
+        self.health = Health(name=self._name, state="loaded", run_id=assignment.run_id,
+                             stage=assignment.entry.index, slowdown=self._slowdown)
+
+    def announce(self, segment: Segment) -> None:
+        """A run command's segment: what arrives for its steps is let in; the stage is running."""
+        self._segments.append(segment)
+        self.health.state = "running"
+
+    def forget_segments(self) -> None:
+        """The run was stopped: no step is expected any more; a running stage is only loaded now."""
+        self._segments.clear()
+        if self.health.state == "running":
+            self.health.state = "loaded"
 
     @property
     def run_id(self) -> str:
@@ -53,4 +73,4 @@ class CurrentStage:
 
     def announced(self) -> tuple[Segment, ...]:
         """The segments the coordinator sent and this worker still remembers (a copy: safe from any thread)."""
-        return tuple(self.segments)
+        return tuple(self._segments)

@@ -24,7 +24,6 @@ from edgert.protocol import (
     RUN,
     STAGE,
     STOP,
-    Health,
     Hold,
     JoinRequest,
     Segment,
@@ -250,17 +249,14 @@ class Worker:
         self.outbox.new_generation()
         self.outbox.forget()
         self.inputs.inbox.reset()
-        current = self.current
-        current.assignment, current.session = assignment, session
         settings = assignment.settings
         self.compute.new_stage({"forward": get_codec(settings.forward_codec),
                                 "backward": get_codec(settings.backward_codec)})
-        current.executor = StageExecutor(session, assignment.entry.index, self.inputs.inbox,
-                                         self.compute.send_forward, self.compute.send_backward,
-                                         self.config.slowdown, settings.wait_timeout,
-                                         before_wait=self.compute.flush_reports)
-        current.health = Health(name=self.config.name, state="loaded", run_id=assignment.run_id,
-                                stage=assignment.entry.index, slowdown=str(self.config.slowdown))
+        executor = StageExecutor(session, assignment.entry.index, self.inputs.inbox,
+                                 self.compute.send_forward, self.compute.send_backward,
+                                 self.config.slowdown, settings.wait_timeout,
+                                 before_wait=self.compute.flush_reports)
+        self.current.install(assignment, session, executor)
 
     # -- running it --------------------------------------------------------------------------
 
@@ -293,8 +289,7 @@ class Worker:
         stages = self.current.assignment.stages
         if segment.stages != stages:
             raise BadRequest(f"run command is for {segment.stages} stages; this run has {stages}")
-        self.current.segments.append(segment)
-        self.current.health.state = "running"
+        self.current.announce(segment)
         self.compute.queue_segment(segment)
 
     async def _on_stop(self, request: Request) -> str:
@@ -309,6 +304,4 @@ class Worker:
         if self.current.executor is not None:
             self.current.executor.gate.open()
         self.compute.drop_windows()
-        self.current.segments.clear()
-        if self.current.health.state == "running":
-            self.current.health.state = "loaded"
+        self.current.forget_segments()
