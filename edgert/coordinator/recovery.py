@@ -29,7 +29,7 @@ from edgert.coordinator.runlog import RunLog
 from edgert.coordinator.snapshots import COORDINATOR, CentralCopies, gather_holdings, newest_snapshot, sources_for
 from edgert.errors import EdgertError, ReplicaStoreFull
 from edgert.manifest import MANIFEST_NAME, Manifest
-from edgert.protocol import REPLICA, STOP, WEIGHTS
+from edgert.protocol import MIGRATE, REPLICA, STOP, WEIGHTS
 from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TooLarge, TransportError
 from edgert.weights import StageState
 
@@ -164,7 +164,7 @@ class Recovery:
             sources = sources_for(snapshot, names, url, holdings, coordinator_url)
             message = Envelope(kind="control", run_id=self._state.run_id, meta={"sources": sources})
             try:
-                await self._client.post(url, "migrate", message, timeout=120.0)
+                await self._client.post(url, MIGRATE, message, timeout=120.0)
             except TransportError as error:
                 raise EdgertError(f"worker {url} could not restore its state: {error}") from None
 
