@@ -27,7 +27,7 @@ from edgert.security.admission import StageSigning
 from edgert.security.keystore import HostSecurity
 from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
 
-Progress = Callable[[str], None]
+ProgressSink = Callable[[str], None]  # told each line of progress (not progress.Progress, the training display)
 PROFILE_RUN = "profile"
 
 
@@ -59,7 +59,7 @@ def export_profile_plans(model_path: str | Path, out_dir: Path,
 
 def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = ProfileOptions.micro_batch,
                     repeats: int = ProfileOptions.repeats,
-                    progress: Progress = lambda _: None, memory_mode: str = RunSettings.memory_mode,
+                    progress: ProgressSink = lambda _: None, memory_mode: str = RunSettings.memory_mode,
                     security: HostSecurity | None = None) -> DevicesFile:
     """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking.
 
@@ -74,7 +74,7 @@ def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int
 
 
 async def _profile(plans: ProfilePlans, workers: list[str], micro_batch: int, repeats: int,
-                   progress: Progress, memory_mode: str, security: HostSecurity | None) -> DevicesFile:
+                   progress: ProgressSink, memory_mode: str, security: HostSecurity | None) -> DevicesFile:
     client = TensorClient(ClientConfig(timeout=600.0, retries=1, connect_timeout=5.0),
                           tls=None if security is None else security.tls)
     signing = None if security is None else security.signing
@@ -109,7 +109,7 @@ async def _name(client: TensorClient, url: str) -> str:
 
 
 async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, name: str, micro_batch: int,
-                         repeats: int, progress: Progress = lambda _: None,
+                         repeats: int, progress: ProgressSink = lambda _: None,
                          memory_mode: str = RunSettings.memory_mode,
                          signing: StageSigning | None = None) -> DeviceProfile:
     """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``)."""
@@ -130,7 +130,8 @@ async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, na
 async def _measure(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry, micro_batch: int,
                    repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
     """``POST /profile`` one stage of ``manifest`` to the worker at ``url``; its reply's meta."""
-    settings = RunSettings(training=manifest.training, memory_mode=memory_mode)
+    # a stage sent to be timed trains no run: it copies nothing (the copy intervals' defaults are a run's)
+    settings = RunSettings(training=manifest.training, memory_mode=memory_mode, replicate_every=0, central_every=0)
     assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, stages=len(manifest.stages),
                                  peers=Peers(None, None, ""), settings=settings)
     envelope = assignment.to_envelope(assignment.read_files(plan))
