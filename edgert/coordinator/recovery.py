@@ -11,7 +11,6 @@ skipped, none applied twice. How failures are noticed is edgert/coordinator/fail
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -82,15 +81,11 @@ class Recovery:
         """``edgert train --resume``: continue from the newest complete snapshot on disk; returns the step
         to resume at."""
         state = self._state
-        latest = self.central.latest_complete()
-        if latest is None:
+        stored = self.central.load_latest()
+        if stored is None:
             raise TrainingError(f"{self.central.folder}: no complete snapshot to resume from "
                                 f"(snapshots are written every --central-every steps)")
-        info = json.loads((latest / "complete.json").read_text())
-        step = int(info["step"])
-        self.central.load(latest)
-        manifest = Manifest.from_json(json.loads((latest / "manifest.json").read_text()))
-        plan_dir = Path(info.get("plan_dir", ""))
+        step, manifest, plan_dir = stored.step, stored.manifest, stored.plan_dir
         order = state.order
         workers = [state.known[url] for url in order]
         if len(workers) != len(manifest.stages) or not (plan_dir / MANIFEST_NAME).is_file():
@@ -184,10 +179,8 @@ class Recovery:
         state = self._state
         origin = central_copy_origin(request, state.run_id, state.names, state.announced_through, self.central.store)
         copy = StageState.from_envelope(request.envelope)
-        manifest_text = json.dumps(state.manifest.to_json())
         try:
-            complete = self.central.put(copy, origin, len(state.manifest.stages), manifest_text,
-                                        str(state.plan_dir.resolve()))
+            complete = self.central.put(copy, origin, state.manifest, state.plan_dir)
         except ReplicaStoreFull as error:
             raise TooLarge(str(error)) from None
         if complete:
