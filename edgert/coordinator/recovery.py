@@ -37,7 +37,8 @@ class Recovery:
     """Rolls the run back to its newest consistent snapshot on the workers left, and serves the
     coordinator's own copies (``PUT /replica`` from the stages, ``FETCH /weights`` for the takers).
 
-    Owns the central copies and the count of recoveries; moves the placement in ``state``.
+    Owns the central copies and the count of recoveries; moves the placement in ``state`` and drops
+    the failed workers from ``state.known``.
     """
 
     def __init__(self, out_dir: Path, resume: bool, state: RunState, client: TensorClient, log: RunLog,

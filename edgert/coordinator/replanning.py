@@ -44,8 +44,9 @@ QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled w
 class Replanning:
     """Decides when the placement is checked, moves the cuts, and takes in workers that join (``POST /join``).
 
-    Owns the planner (edgert.exporter.planner.replanner, made by :meth:`start`), the count of
-    re-plans and when the next check is due; moves the placement in ``state``.
+    Owns the planner (edgert.exporter.planner.replanner, made by :meth:`start`), the plans a quick
+    profile times workers on, the count of re-plans and when the next check is due; moves the
+    placement in ``state`` and adds the workers that join to ``state.known``.
     """
 
     def __init__(self, config: TrainConfig, state: RunState, client: TensorClient, log: RunLog, ledger: StepLedger,
