@@ -11,6 +11,7 @@ skipped, none applied twice. How failures are noticed is edgert/coordinator/fail
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -180,8 +181,10 @@ class Recovery:
         state = self._state
         origin = central_copy_origin(request, state.run_id, state.names, state.announced_through, self.central.store)
         copy = StageState.from_envelope(request.envelope)
+        manifest_text = json.dumps(state.manifest.to_json())
         try:
-            complete = self.central.put(copy, origin, state.manifest, state.plan_dir)
+            complete = self.central.put(copy, origin, len(state.manifest.stages), manifest_text,
+                                        str(state.plan_dir.resolve()))
         except ReplicaStoreFull as error:
             raise TooLarge(str(error)) from None
         if complete:

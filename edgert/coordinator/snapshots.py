@@ -103,20 +103,19 @@ class CentralCopies:
         self.folder = folder
         self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_peer_bytes=CENTRAL_MAX_BYTES)
 
-    def put(self, state: StageState, origin: str, manifest: Manifest, plan_dir: Path) -> bool:
-        """Keep a copy of a stage of ``manifest`` (built in ``plan_dir``); True when the step's snapshot became
-        complete (every stage here). Raises :class:`~edgert.replica.ReplicaStoreFull`, keeping nothing, beyond
-        :data:`CENTRAL_MAX_BYTES`."""
+    def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "") -> bool:
+        """Keep a copy of a stage of the plan ``manifest_text`` (of ``stages`` stages, built in ``plan_dir``); True
+        when the step's snapshot became complete (every stage here). Raises
+        :class:`~edgert.replica.ReplicaStoreFull`, keeping nothing, beyond :data:`CENTRAL_MAX_BYTES`."""
         self.store.put(state, origin)
         step_dir = self._step_dir(state.step)
         save_state(state, step_dir / f"stage{state.stage}.cbor")
-        stages = len(manifest.stages)
         have = len(list(step_dir.glob("stage*.cbor")))
         if have < stages:
             return False
-        (step_dir / MANIFEST_NAME).write_text(json.dumps(manifest.to_json()))
+        (step_dir / MANIFEST_NAME).write_text(manifest_text)
         (step_dir / COMPLETE_FILE).write_text(json.dumps({"step": state.step, "stages": stages,
-                                                          "plan_dir": str(plan_dir.resolve())}))
+                                                          "plan_dir": plan_dir}))
         self._prune()
         return True
 
