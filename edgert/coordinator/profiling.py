@@ -20,7 +20,7 @@ from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile
 from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.source import load_source_model
-from edgert.manifest import Manifest, TrainingConfig
+from edgert.manifest import Manifest, StageEntry, TrainingConfig
 from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, ProfileOptions, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
@@ -115,11 +115,11 @@ async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, na
     """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``)."""
     timings = []
     for entry, unit in zip(plans.units.stages, unit_names(plans.units)):
-        meta = await _measure(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats, memory_mode,
-                              signing)
+        meta = await _post_profile(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats,
+                                   memory_mode, signing)
         timings.append(BlockTiming(**{**meta["timing"], "block": unit}))
-    meta = await _measure(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch, repeats,
-                          memory_mode, signing)
+    meta = await _post_profile(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch,
+                               repeats, memory_mode, signing)
     whole = BlockTiming(**{**meta["timing"], "block": "+".join(unit_names(plans.units))})
     progress(f"{name}: {len(timings)} units, {whole.forward_ms + whole.backward_ms:.1f} ms per micro-batch of "
              f"{micro_batch} for the whole model")
@@ -127,8 +127,8 @@ async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, na
                          slowdown=str(meta.get("slowdown", "0:1")), blocks=tuple(timings), whole=whole)
 
 
-async def _measure(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry, micro_batch: int,
-                   repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
+async def _post_profile(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry: StageEntry,
+                        micro_batch: int, repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
     """``POST /profile`` one stage of ``manifest`` to the worker at ``url``; its reply's meta."""
     # a stage sent to be timed trains no run: it copies nothing (the copy intervals' defaults are a run's)
     settings = RunSettings(training=manifest.training, memory_mode=memory_mode, replicate_every=0, central_every=0)
