@@ -29,7 +29,7 @@ from edgert.coordinator.errors import AssignmentError, TrainingError, WorkerFail
 from edgert.coordinator.evaluation import Evaluation
 from edgert.coordinator.failures import FailureDetector
 from edgert.coordinator.inputs import read_report
-from edgert.coordinator.ledger import HISTORY, StepLedger
+from edgert.coordinator.ledger import HISTORY, StepLedger, StepRecord
 from edgert.coordinator.progress import Progress
 from edgert.coordinator.recovery import Recovery
 from edgert.coordinator.replanning import Replanning
@@ -328,7 +328,7 @@ class Coordinator:
         for report in message.reports:
             self.ledger.add(report, worker)
 
-    def _show_step(self, record) -> None:
+    def _show_step(self, record: StepRecord) -> None:
         self._progress.update(self.ledger.completed, epoch=record.epoch + 1, loss=record.loss, acc=record.accuracy,
                               **{"samples/s": round(record.samples / max(record.step_ms, 1e-9) * 1000, 1)})
 

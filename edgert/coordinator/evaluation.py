@@ -52,6 +52,7 @@ class Evaluator:
     """A local copy of the plan's stages, loaded with fetched states, run on test data."""
 
     def __init__(self, plan_dir: Path, manifest: Manifest):
+        self.plan_dir = plan_dir  # the plan the states it evaluates belong to
         self._chain = StageChain(plan_dir, manifest)
         self._manifest = manifest
 
@@ -106,7 +107,9 @@ class Evaluation:
         except (EdgertError, OSError) as error:
             self._skip(step, epoch, f"the snapshot is unreadable: {error}")
             return
-        self._evaluations.append(asyncio.ensure_future(self._evaluate_states(states, epoch, step, "snapshot")))
+        # evaluated on the plan the copies are of, even if a recovery moves the cuts before it runs
+        evaluation = self._evaluate_states(states, self._evaluator, epoch, step, "snapshot")
+        self._evaluations.append(asyncio.ensure_future(evaluation))
 
     async def settle(self, through_step: int | None = None, drop_later: bool = False) -> None:
         """Wait for the copies of the epoch ends up to ``through_step`` and their evaluations.
@@ -135,7 +138,7 @@ class Evaluation:
     async def evaluate(self, epoch: int, step: int) -> tuple[float | None, float | None]:
         """Evaluate the stages' current states (the pipeline has drained after ``step``)."""
         await self.settle()
-        return await self._evaluate_states(await self._fetch_states(), epoch, step, "drained")
+        return await self._evaluate_states(await self._fetch_states(), self._evaluator, epoch, step, "drained")
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -159,34 +162,36 @@ class Evaluation:
 
         return list(await asyncio.gather(*(fetch(url) for url in self._state.order)))
 
-    async def _evaluate_states(self, states: list[StageState], epoch: int, step: int,
+    async def _evaluate_states(self, states: list[StageState], evaluator: Evaluator, epoch: int, step: int,
                                source: str) -> tuple[float | None, float | None]:
-        """Save ``states`` as the latest checkpoint, evaluate them on the test set, log the result."""
+        """Save ``states`` (of ``evaluator``'s plan) as the latest checkpoint, evaluate them on the test set,
+        log the result."""
         async with self._lock:
-            written = self._save_checkpoint(states, epoch, step)
+            written = self._save_checkpoint(states, evaluator.plan_dir, epoch, step)
             loss, accuracy = await asyncio.get_running_loop().run_in_executor(
-                None, self._evaluator.evaluate, states, self._dataset.x_test, self._dataset.y_test)
+                None, evaluator.evaluate, states, self._dataset.x_test, self._dataset.y_test)
         self._log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
                          checkpoint_bytes=written, source=source)
         self._show(epoch, loss, accuracy)
         return loss, accuracy
 
-    def _save_checkpoint(self, states: list[StageState], epoch: int, step: int) -> int:
-        """``states`` as ``checkpoints/latest``, with the plan they belong to; returns the bytes written."""
+    def _save_checkpoint(self, states: list[StageState], plan_dir: Path, epoch: int, step: int) -> int:
+        """``states`` as ``checkpoints/latest``, with the plan they belong to (``plan_dir``'s); returns the bytes
+        written."""
         folder = self._out_dir / "checkpoints" / "latest"
         for stale in folder.glob("stage*.cbor"):
             stale.unlink()
         written = sum(save_state(state, folder / f"stage{k}.cbor", self._state.run_id)
                       for k, state in enumerate(states))
-        self._copy_plan(self._out_dir / "plan")
+        self._copy_plan(plan_dir, self._out_dir / "plan")
         save_checkpoint_info(CheckpointInfo(step=step, epoch=epoch, stages=len(states)), folder)
         return written
 
-    def _copy_plan(self, target: Path) -> None:
+    def _copy_plan(self, plan_dir: Path, target: Path) -> None:
         """The run's plan folder follows re-partitions, so a checkpoint always matches it."""
-        if self._state.plan_dir.resolve() != target.resolve():
+        if plan_dir.resolve() != target.resolve():
             target.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self._state.plan_dir / MANIFEST_NAME, target / MANIFEST_NAME)
+            shutil.copyfile(plan_dir / MANIFEST_NAME, target / MANIFEST_NAME)
 
     def _show(self, epoch: int, loss: float | None, accuracy: float | None) -> None:
         """The epoch's result on the progress display: once, and again only if a replay changed it."""

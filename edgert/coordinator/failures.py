@@ -26,9 +26,10 @@ from edgert.transport import TensorClient, TransportError
 log = logging.getLogger("edgert.coordinator.failures")
 MIN_DEADLINE_S = 1.0
 DEADLINE_FACTOR = 4.0  # a step slower than this many median steps makes the coordinator probe the workers
+PROBE_TIMEOUT_S = 1.0  # each of a probe's two health requests
 
 
-async def answers(client: TensorClient, url: str, timeout: float = 1.0) -> bool:
+async def answers(client: TensorClient, url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """Whether ``url`` answers a health request in time (two tries)."""
     try:
         await client.get(url, HEALTH, timeout=timeout, retries=1)
@@ -37,7 +38,8 @@ async def answers(client: TensorClient, url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-async def dead_among(client: TensorClient, urls: list[str], timeout: float = 1.0) -> set[str]:
+async def dead_among(client: TensorClient, urls: list[str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
+    """Those of ``urls`` that do not answer a probe (all probed at once)."""
     results = await asyncio.gather(*(answers(client, url, timeout) for url in urls))
     return {url for url, alive in zip(urls, results) if not alive}
 
@@ -51,17 +53,20 @@ class FailureWatch:
         self._tasks: dict[str, asyncio.Task] = {}
 
     def watch(self, urls: list[str]) -> None:
+        """Observe these workers too (one already watched is left as it is)."""
         for url in urls:
             if url not in self._tasks:
                 self._tasks[url] = asyncio.create_task(self._watch(url))
 
     def forget(self, urls: set[str]) -> None:
+        """Observe these workers no more."""
         for url in urls:
             task = self._tasks.pop(url, None)
             if task is not None:
                 task.cancel()
 
     async def _watch(self, url: str) -> None:
+        """Observe ``url`` until it fails a probe after its observation broke, then report it (once)."""
         while True:
             try:
                 async for _ in self.client.observe(url, HEALTH, timeout=5.0):

@@ -61,12 +61,12 @@ class LocalCluster:
                     else ["--listen", "coaps+tcp://127.0.0.1:0", "--credential", str(self.credentials[k])])
         command = [sys.executable, "-m", "edgert", "worker", *security, "--name", self.names[k],
                    option, slowdown, *self.extra_args]
-        stderr = subprocess.DEVNULL
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = open(self.log_dir / f"{self.names[k]}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
+        if self.log_dir is None:
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{self.names[k]}.log", "ab") as stderr:  # the worker keeps its own descriptor
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
 
     def _wait_for_url(self, k: int, process: subprocess.Popen) -> str:
         deadline = time.monotonic() + self.start_timeout

@@ -20,14 +20,14 @@ from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile
 from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.source import load_source_model
-from edgert.manifest import Manifest, TrainingConfig
+from edgert.manifest import Manifest, StageEntry, TrainingConfig
 from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, ProfileOptions, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.security.keystore import HostSecurity
 from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
 
-Progress = Callable[[str], None]
+ProgressSink = Callable[[str], None]  # told each line of progress (not progress.Progress, the training display)
 PROFILE_RUN = "profile"
 
 
@@ -59,7 +59,7 @@ def export_profile_plans(model_path: str | Path, out_dir: Path,
 
 def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = ProfileOptions.micro_batch,
                     repeats: int = ProfileOptions.repeats,
-                    progress: Progress = lambda _: None, memory_mode: str = RunSettings.memory_mode,
+                    progress: ProgressSink = lambda _: None, memory_mode: str = RunSettings.memory_mode,
                     security: HostSecurity | None = None) -> DevicesFile:
     """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking.
 
@@ -74,7 +74,7 @@ def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int
 
 
 async def _profile(plans: ProfilePlans, workers: list[str], micro_batch: int, repeats: int,
-                   progress: Progress, memory_mode: str, security: HostSecurity | None) -> DevicesFile:
+                   progress: ProgressSink, memory_mode: str, security: HostSecurity | None) -> DevicesFile:
     client = TensorClient(ClientConfig(timeout=600.0, retries=1, connect_timeout=5.0),
                           tls=None if security is None else security.tls)
     signing = None if security is None else security.signing
@@ -109,17 +109,17 @@ async def _name(client: TensorClient, url: str) -> str:
 
 
 async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, name: str, micro_batch: int,
-                         repeats: int, progress: Progress = lambda _: None,
+                         repeats: int, progress: ProgressSink = lambda _: None,
                          memory_mode: str = RunSettings.memory_mode,
                          signing: StageSigning | None = None) -> DeviceProfile:
     """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``)."""
     timings = []
     for entry, unit in zip(plans.units.stages, unit_names(plans.units)):
-        meta = await _measure(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats, memory_mode,
-                              signing)
+        meta = await _post_profile(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats,
+                                   memory_mode, signing)
         timings.append(BlockTiming(**{**meta["timing"], "block": unit}))
-    meta = await _measure(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch, repeats,
-                          memory_mode, signing)
+    meta = await _post_profile(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch,
+                               repeats, memory_mode, signing)
     whole = BlockTiming(**{**meta["timing"], "block": "+".join(unit_names(plans.units))})
     progress(f"{name}: {len(timings)} units, {whole.forward_ms + whole.backward_ms:.1f} ms per micro-batch of "
              f"{micro_batch} for the whole model")
@@ -127,10 +127,11 @@ async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, na
                          slowdown=str(meta.get("slowdown", "0:1")), blocks=tuple(timings), whole=whole)
 
 
-async def _measure(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry, micro_batch: int,
-                   repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
+async def _post_profile(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry: StageEntry,
+                        micro_batch: int, repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
     """``POST /profile`` one stage of ``manifest`` to the worker at ``url``; its reply's meta."""
-    settings = RunSettings(training=manifest.training, memory_mode=memory_mode)
+    # a stage sent to be timed trains no run: it copies nothing (the copy intervals' defaults are a run's)
+    settings = RunSettings(training=manifest.training, memory_mode=memory_mode, replicate_every=0, central_every=0)
     assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, stages=len(manifest.stages),
                                  peers=Peers(None, None, ""), settings=settings)
     envelope = assignment.to_envelope(assignment.read_files(plan))

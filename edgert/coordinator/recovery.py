@@ -29,7 +29,7 @@ from edgert.coordinator.runlog import RunLog
 from edgert.coordinator.snapshots import COORDINATOR, CentralCopies, gather_holdings, newest_snapshot, sources_for
 from edgert.errors import EdgertError, ReplicaStoreFull
 from edgert.manifest import MANIFEST_NAME, Manifest
-from edgert.protocol import REPLICA, STOP, WEIGHTS
+from edgert.protocol import MIGRATE, REPLICA, STOP, WEIGHTS
 from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TooLarge, TransportError
 from edgert.weights import StageState
 
@@ -38,7 +38,8 @@ class Recovery:
     """Rolls the run back to its newest consistent snapshot on the workers left, and serves the
     coordinator's own copies (``PUT /replica`` from the stages, ``FETCH /weights`` for the takers).
 
-    Owns the central copies and the count of recoveries; moves the placement in ``state``.
+    Owns the central copies and the count of recoveries; moves the placement in ``state`` and drops
+    the failed workers from ``state.known``.
     """
 
     def __init__(self, out_dir: Path, resume: bool, state: RunState, client: TensorClient, log: RunLog,
@@ -82,15 +83,11 @@ class Recovery:
         """``edgert train --resume``: continue from the newest complete snapshot on disk; returns the step
         to resume at."""
         state = self._state
-        latest = self.central.latest_complete()
-        if latest is None:
+        stored = self.central.load_latest()
+        if stored is None:
             raise TrainingError(f"{self.central.folder}: no complete snapshot to resume from "
                                 f"(snapshots are written every --central-every steps)")
-        info = json.loads((latest / "complete.json").read_text())
-        step = int(info["step"])
-        self.central.load(latest)
-        manifest = Manifest.from_json(json.loads((latest / "manifest.json").read_text()))
-        plan_dir = Path(info.get("plan_dir", ""))
+        step, manifest, plan_dir = stored.step, stored.manifest, stored.plan_dir
         order = state.order
         workers = [state.known[url] for url in order]
         if len(workers) != len(manifest.stages) or not (plan_dir / MANIFEST_NAME).is_file():
@@ -164,7 +161,7 @@ class Recovery:
             sources = sources_for(snapshot, names, url, holdings, coordinator_url)
             message = Envelope(kind="control", run_id=self._state.run_id, meta={"sources": sources})
             try:
-                await self._client.post(url, "migrate", message, timeout=120.0)
+                await self._client.post(url, MIGRATE, message, timeout=120.0)
             except TransportError as error:
                 raise EdgertError(f"worker {url} could not restore its state: {error}") from None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from edgert.transport.errors import Forbidden
 
 if TYPE_CHECKING:
     from edgert.coordinator.coordinator import TrainConfig
+    from edgert.coordinator.profiling import ProfilePlans
+    from edgert.exporter.planner.replanner import Proposal, Replanner
 
 SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
 QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled worker is measured
@@ -41,8 +44,9 @@ QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled w
 class Replanning:
     """Decides when the placement is checked, moves the cuts, and takes in workers that join (``POST /join``).
 
-    Owns the planner (edgert.exporter.planner.replanner, made by :meth:`start`), the count of
-    re-plans and when the next check is due; moves the placement in ``state``.
+    Owns the planner (edgert.exporter.planner.replanner, made by :meth:`start`), the plans a quick
+    profile times workers on, the count of re-plans and when the next check is due; moves the
+    placement in ``state`` and adds the workers that join to ``state.known``.
     """
 
     def __init__(self, config: TrainConfig, state: RunState, client: TensorClient, log: RunLog, ledger: StepLedger,
@@ -57,13 +61,13 @@ class Replanning:
         self._evaluation = evaluation
         self._progress = progress
         self._signing = signing
-        self._replanner = None
+        self._replanner: Replanner | None = None
         # plans/plan<N> go on from the run's earlier processes
         self._replans = count_events(config.out_dir, "replan")[0] if config.resume else 0
         self._since_check = 0  # steps completed since the last check, in this segment
         self._membership_changed = False
         self._recheck = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later
-        self._profile_plans = None  # the model cut at every unit, exported at the first quick profile
+        self._profile_plans: ProfilePlans | None = None  # the units and whole model, made at the first quick profile
 
     def serve(self, server: TensorServer) -> None:
         """Take in workers that offer themselves (a resource on ``server``)."""
@@ -87,7 +91,7 @@ class Replanning:
         """A segment starts: the steps until the next check count from here."""
         self._since_check = 0
 
-    async def after_step(self):
+    async def after_step(self) -> Proposal | None:
         """A step completed: when a check is due, a better placement (a proposal) or None."""
         config = self._config
         self._since_check += 1
@@ -111,7 +115,7 @@ class Replanning:
                                            candidates=list(state.known.values()))
         await self.repartition(proposal, next_step)
 
-    async def repartition(self, proposal, next_step: int) -> None:
+    async def repartition(self, proposal: Proposal, next_step: int) -> None:
         """Move to ``proposal``'s cuts and workers before ``next_step``; the pipeline is drained."""
         state = self._state
         started = time.perf_counter()
@@ -150,7 +154,7 @@ class Replanning:
         step_ms = self._ledger.median_step_ms(window)
         self._replanner.observe(self._state.manifest, self._state.names, measured, step_ms)
 
-    async def _check_placement(self, window: int):
+    async def _check_placement(self, window: int) -> Proposal | None:
         """A better placement for the times of the last ``window`` steps, or None (planned off the event loop)."""
         state = self._state
         self._observe(window)
@@ -164,7 +168,7 @@ class Replanning:
         """The plan for ``cuts``, exported into ``folder`` (off the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(None, self._replanner.build, cuts, folder)
 
-    def _urls(self, names) -> list[str]:
+    def _urls(self, names: Iterable[str]) -> list[str]:
         """The known workers' URLs, for their names."""
         by_name = self._state.urls_by_name()
         return [by_name[name] for name in names]

@@ -5,7 +5,9 @@ the cuts move: the first assignment (:class:`~edgert.coordinator.coordinator.Coo
 re-plan (:class:`~edgert.coordinator.replanning.Replanning`), a recovery or a resume
 (:class:`~edgert.coordinator.recovery.Recovery`). ``known`` is filled when the workers connect,
 grows when one joins (re-planning) and shrinks when one fails (recovery); ``announced_through``
-is the run loop's; ``settings`` are set by the coordinator before the first assignment.
+is written by :class:`~edgert.coordinator.segments.SegmentRunner` as it announces a segment (a copy
+taken after a later step is refused); ``settings`` are set by the coordinator before the first
+assignment or resume.
 Everything else each part keeps to itself.
 """
 

@@ -28,6 +28,7 @@ from edgert.transport import Envelope, TensorClient
 
 if TYPE_CHECKING:
     from edgert.coordinator.coordinator import TrainConfig
+    from edgert.exporter.planner.replanner import Proposal
 
 
 def next_segment(plan: list[Batch], schedule: str, forced: set[int]) -> tuple[list[Batch], bool]:
@@ -75,7 +76,7 @@ class SegmentRunner:
         in_flight: deque[int] = deque()
         self._replanning.begin_segment()
 
-        async def settle(step: int):
+        async def settle(step: int) -> Proposal | None:
             """Wait for ``step``; then, when due, a better placement or None."""
             await self._failures.wait_step(step)
             return await self._replanning.after_step()
@@ -112,7 +113,7 @@ class SegmentRunner:
         state.announced_through = max(state.announced_through, segment.last_step)
         await asyncio.gather(*(self._client.send(url, RUN, envelope) for url in state.order))
 
-    async def _replan_now(self, proposal, plan: list[Batch], in_flight: deque[int]) -> int:
+    async def _replan_now(self, proposal: Proposal, plan: list[Batch], in_flight: deque[int]) -> int:
         """Stop the pipeline after the latest step any stage has committed (run a backward or an
         optimizer step for), re-partition; returns steps run.
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgert.errors import EdgertError
+from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.protocol import REPLICA
 from edgert.replica import SELF_ORIGIN, CopyStore, Holding, holdings_from_meta
 from edgert.transport import TensorClient, TransportError
@@ -29,6 +31,7 @@ from edgert.weights import StageState, load_state, save_state
 COORDINATOR = "coordinator"  # the coordinator, as a holder of copies
 KEEP_SNAPSHOTS = 2
 CENTRAL_MAX_BYTES = 1 << 30  # the workers' copies the coordinator keeps in memory, every stage and version together
+COMPLETE_FILE = "complete.json"  # in a snapshot's folder once every stage's copy is there: step, stages, plan_dir
 
 
 async def gather_holdings(client: TensorClient, urls: list[str], run_id: str) -> dict[str, list[Holding]]:
@@ -78,15 +81,31 @@ def sources_for(step: int, names: list[str], taker: str, holdings: dict[str, lis
     return sources
 
 
+@dataclass(frozen=True)
+class StoredSnapshot:
+    """A complete snapshot on disk: the step its copies were taken after, the plan they are of, where that
+    plan was built (it may be gone)."""
+
+    step: int
+    manifest: Manifest
+    plan_dir: Path
+
+
 class CentralCopies:
-    """The coordinator's copies: in memory for serving, on disk (``snapshots/``) for resuming."""
+    """The coordinator's copies: in memory for serving, on disk (``snapshots/``) for resuming.
+
+    A snapshot's folder, ``step_<t>/``, holds a ``stage<k>.cbor`` per stage; once it has every stage it
+    gets the plan's ``manifest.json`` and :data:`COMPLETE_FILE`. The newest :data:`KEEP_SNAPSHOTS`
+    complete ones are kept.
+    """
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_peer_bytes=CENTRAL_MAX_BYTES)
 
     def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "") -> bool:
-        """Keep a stage's copy; True when the step's snapshot became complete (every stage here). Raises
+        """Keep a copy of a stage of the plan ``manifest_text`` (of ``stages`` stages, built in ``plan_dir``); True
+        when the step's snapshot became complete (every stage here). Raises
         :class:`~edgert.replica.ReplicaStoreFull`, keeping nothing, beyond :data:`CENTRAL_MAX_BYTES`."""
         self.store.put(state, origin)
         step_dir = self._step_dir(state.step)
@@ -94,19 +113,19 @@ class CentralCopies:
         have = len(list(step_dir.glob("stage*.cbor")))
         if have < stages:
             return False
-        (step_dir / "manifest.json").write_text(manifest_text)
-        (step_dir / "complete.json").write_text(json.dumps({"step": state.step, "stages": stages,
-                                                            "plan_dir": plan_dir}))
+        (step_dir / MANIFEST_NAME).write_text(manifest_text)
+        (step_dir / COMPLETE_FILE).write_text(json.dumps({"step": state.step, "stages": stages,
+                                                          "plan_dir": plan_dir}))
         self._prune()
         return True
 
     def _prune(self) -> None:
-        complete = sorted(p.parent for p in self.folder.glob("step_*/complete.json"))
+        complete = self._complete()
         for old in complete[:-KEEP_SNAPSHOTS]:
             shutil.rmtree(old, ignore_errors=True)
         newest = complete[-1].name if complete else None
         for partial in self.folder.glob("step_*"):
-            if not (partial / "complete.json").exists() and newest and partial.name < newest:
+            if not (partial / COMPLETE_FILE).exists() and newest and partial.name < newest:
                 shutil.rmtree(partial, ignore_errors=True)
 
     def holdings(self) -> list[Holding]:
@@ -124,14 +143,18 @@ class CentralCopies:
         """Where the copies after ``step`` are kept on disk."""
         return self.folder / f"step_{step:08d}"
 
-    def latest_complete(self) -> Path | None:
-        complete = sorted(p.parent for p in self.folder.glob("step_*/complete.json"))
-        return complete[-1] if complete else None
+    def _complete(self) -> list[Path]:
+        """The folders of the complete snapshots on disk, oldest first."""
+        return sorted(p.parent for p in self.folder.glob(f"step_*/{COMPLETE_FILE}"))
 
-    def load(self, step_dir: Path) -> list[StageState]:
-        """A complete snapshot's stage states, also put back in memory for serving."""
-        states = [load_state(path) for path in sorted(step_dir.glob("stage*.cbor"),
-                                                      key=lambda p: int(p.stem.removeprefix("stage")))]
-        for state in states:
-            self.store.put(state, SELF_ORIGIN)
-        return states
+    def load_latest(self) -> StoredSnapshot | None:
+        """The newest complete snapshot on disk, its copies put back in memory for serving (None: there is none)."""
+        complete = self._complete()
+        if not complete:
+            return None
+        step_dir = complete[-1]
+        info = json.loads((step_dir / COMPLETE_FILE).read_text())
+        for path in sorted(step_dir.glob("stage*.cbor"), key=lambda p: int(p.stem.removeprefix("stage"))):
+            self.store.put(load_state(path), SELF_ORIGIN)
+        manifest = Manifest.from_json(json.loads((step_dir / MANIFEST_NAME).read_text()))
+        return StoredSnapshot(int(info["step"]), manifest, Path(info.get("plan_dir", "")))
