@@ -9,7 +9,7 @@ import click
 
 from edgert.cli.keys import INSECURE_WARNING, check_listen, default_listen, host_keys
 from edgert.cli.params import CoapUrl, CoapUrlList, CodecSpec, log_level_option, start_logging
-from edgert.coordinator.coordinator import TrainConfig, resumed_config, train
+from edgert.coordinator.coordinator import REPLAN_MODES, TrainConfig, resumed_config, train
 from edgert.coordinator.runlog import new_run_folder
 from edgert.manifest import MEMORY_MODES
 from edgert.schedule import SCHEDULES
@@ -48,7 +48,7 @@ from edgert.schedule import SCHEDULES
 @click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
 @click.option("--advertise", default=None, help="Host workers reach this coordinator at (default: auto).")
 @click.option("--step-timeout", type=float, default=TrainConfig.step_timeout, show_default=True)
-@click.option("--replan", type=click.Choice(["off", "auto"]), default=TrainConfig.replan, show_default=True,
+@click.option("--replan", type=click.Choice(REPLAN_MODES), default=TrainConfig.replan, show_default=True,
               help="Move the cuts while training when measured stage times drift.")
 @click.option("--replan-every", type=int, default=TrainConfig.replan_every, show_default=True,
               help="Steps between re-planning checks.")

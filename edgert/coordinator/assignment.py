@@ -17,10 +17,10 @@ from pathlib import Path
 
 from edgert.coordinator.errors import AssignmentError
 from edgert.manifest import Manifest, TrainingConfig
-from edgert.protocol import MIGRATE, SELF, STAGE, Peers, StageAssignment
+from edgert.protocol import MIGRATE, SELF, STAGE, MigrateRequest, MigrationSource, Peers, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
-from edgert.transport import Envelope, TensorClient, TransportError
+from edgert.transport import TensorClient, TransportError
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,10 @@ async def migrate(client: TensorClient, run_id: str, old: Manifest, old_order: l
             if source is None:
                 raise AssignmentError(f"no worker held {parameter.name!r} before the re-partition")
             by_source.setdefault(SELF if source == url else source, []).append(parameter.name)
-        sources = [{"url": source, "names": names, "previous": True} for source, names in by_source.items()]
-        message = Envelope(kind="control", run_id=run_id, meta={"sources": sources})
+        request = MigrateRequest(tuple(MigrationSource(source, tuple(names), previous=True)
+                                       for source, names in by_source.items()))
         try:
-            response = await client.post(url, MIGRATE, message, timeout=300.0)
+            response = await client.post(url, MIGRATE, request.to_envelope(run_id), timeout=300.0)
         except TransportError as error:
             raise AssignmentError(f"worker {url} could not take over its state: {error}") from None
         return int(response.envelope().meta.get("bytes", 0))

@@ -48,6 +48,8 @@ from edgert.transport.urls import parse_url
 
 log = logging.getLogger("edgert.coordinator.coordinator")
 
+REPLAN_MODES = ("off", "auto")  # auto: the cuts also move when a placement check finds better ones
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -74,7 +76,7 @@ class TrainConfig:
     listen: str = "coap+tcp://0.0.0.0:0"
     advertise: str | None = None
     progress: bool = True
-    replan: str = "off"  # off | auto
+    replan: str = "off"  # one of REPLAN_MODES
     replan_every: int = 10
     replan_threshold: float = 0.1
     replan_at: tuple[tuple[int, tuple[int, ...] | None], ...] = ()  # forced: (before step, block cuts or None)
@@ -162,8 +164,8 @@ class Coordinator:
             raise TrainingError(f"--micro-batches {config.micro_batches} exceeds --batch-size {config.batch_size}")
         if config.memory_mode not in MEMORY_MODES:
             raise TrainingError(f"--memory-mode must be one of {', '.join(MEMORY_MODES)} (got {config.memory_mode!r})")
-        if config.replan not in ("off", "auto"):
-            raise TrainingError(f"--replan must be off or auto (got {config.replan!r})")
+        if config.replan not in REPLAN_MODES:
+            raise TrainingError(f"--replan must be {' or '.join(REPLAN_MODES)} (got {config.replan!r})")
 
     @property
     def run_id(self) -> str:

@@ -26,6 +26,7 @@ from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.security.keystore import HostSecurity
 from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
+from edgert.typed_data import to_data
 
 ProgressSink = Callable[[str], None]  # told each line of progress (not progress.Progress, the training display)
 PROFILE_RUN = "profile"
@@ -136,7 +137,7 @@ async def _post_profile(client: TensorClient, url: str, plan: Path, manifest: Ma
                                  peers=Peers(None, None, ""), settings=settings)
     envelope = assignment.to_envelope(assignment.read_files(plan))
     envelope = Envelope(kind=envelope.kind, run_id=envelope.run_id, stage=envelope.stage, tensors=envelope.tensors,
-                        meta={**envelope.meta, "micro_batch": micro_batch, "repeats": repeats})
+                        meta={**envelope.meta, **to_data(ProfileOptions(micro_batch, repeats))})
     if signing is not None:
         signing.apply(envelope)
     return (await client.post(url, PROFILE, envelope, timeout=600.0)).envelope().meta

@@ -158,10 +158,9 @@ class Recovery:
         async def pull(k: int) -> None:
             url = order[k]
             names = [p.name for p in manifest.stages[k].parameters]
-            sources = sources_for(snapshot, names, url, holdings, coordinator_url)
-            message = Envelope(kind="control", run_id=self._state.run_id, meta={"sources": sources})
+            request = sources_for(snapshot, names, url, holdings, coordinator_url)
             try:
-                await self._client.post(url, MIGRATE, message, timeout=120.0)
+                await self._client.post(url, MIGRATE, request.to_envelope(self._state.run_id), timeout=120.0)
             except TransportError as error:
                 raise EdgertError(f"worker {url} could not restore its state: {error}") from None
 

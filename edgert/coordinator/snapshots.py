@@ -23,7 +23,7 @@ from pathlib import Path
 
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, Manifest
-from edgert.protocol import REPLICA
+from edgert.protocol import REPLICA, SELF, MigrateRequest, MigrationSource
 from edgert.replica import SELF_ORIGIN, CopyStore, Holding, holdings_from_meta
 from edgert.transport import TensorClient, TransportError
 from edgert.weights import StageState, load_state, save_state
@@ -63,7 +63,7 @@ def newest_snapshot(holdings: dict[str, list[Holding]], names: set[str]) -> int 
 
 
 def sources_for(step: int, names: list[str], taker: str, holdings: dict[str, list[Holding]],
-                coordinator_url: str) -> list[dict]:
+                coordinator_url: str) -> MigrateRequest:
     """Where ``taker`` fetches ``names`` as of ``step``: itself first, then a worker, then the coordinator."""
     ranked = sorted(holdings, key=lambda holder: (holder != taker, holder == COORDINATOR))
     by_holder: dict[str, list[str]] = {}
@@ -76,9 +76,9 @@ def sources_for(step: int, names: list[str], taker: str, holdings: dict[str, lis
             raise EdgertError(f"no holder has {name!r} as of step {step}")
     sources = []
     for holder, wanted in by_holder.items():
-        url = "self" if holder == taker else (coordinator_url if holder == COORDINATOR else holder)
-        sources.append({"url": url, "names": wanted, "copy_step": step, "previous": False})
-    return sources
+        url = SELF if holder == taker else (coordinator_url if holder == COORDINATOR else holder)
+        sources.append(MigrationSource(url, tuple(wanted), previous=False, copy_step=step))
+    return MigrateRequest(tuple(sources))
 
 
 @dataclass(frozen=True)

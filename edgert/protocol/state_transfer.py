@@ -49,6 +49,11 @@ class MigrateRequest:
 
     sources: tuple[MigrationSource, ...]
 
+    def to_envelope(self, run_id: str) -> Envelope:
+        sources = [{key: value for key, value in to_data(source).items() if value is not None}
+                   for source in self.sources]  # a null copy_step is left out, as WeightsQuery leaves it
+        return Envelope(kind="control", run_id=run_id, meta={"sources": sources})
+
     @classmethod
     def from_envelope(cls, envelope: Envelope) -> MigrateRequest:
         return load_meta(cls, envelope.meta, "POST /migrate")
