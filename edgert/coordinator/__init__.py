@@ -14,7 +14,7 @@ serves the resources that touch it; what they share is a :class:`RunState`):
   run; ``PUT /replica`` and ``FETCH /weights``
 - ``snapshots.py``     :class:`CentralCopies` and the search for the newest consistent snapshot and its holders
 - ``replanning.py``    :class:`Replanning`: when the placement is checked, moving the cuts; ``POST /join``
-- ``evaluation.py``    :class:`Evaluation` (epoch ends, ``checkpoints/latest``) and :class:`Evaluator` (the
+- ``evaluation.py``    :class:`Evaluation` (epoch ends, ``checkpoints/latest``) and :class:`StateScorer` (the
   plan's stages chained on the test set)
 
 Around the run:

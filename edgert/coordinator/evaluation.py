@@ -7,7 +7,7 @@ instead its segment runs on across epoch ends, each stage sends the coordinator 
 its state after the epoch's last step (``Segment.checkpoint_steps``), and the coordinator
 evaluates from those copies while the pipeline keeps going.
 
-The states are evaluated here, on the central node: :class:`Evaluator` runs the plan's
+The states are evaluated here, on the central node: :class:`StateScorer` runs the plan's
 inference graphs chained, so evaluation never stalls the workers' pipeline beyond the
 drain it needs anyway.
 """
@@ -48,8 +48,8 @@ def loss_and_accuracy(loss: str, prediction: np.ndarray, labels: np.ndarray) -> 
     return float(np.mean((prediction.astype(np.float64) - labels) ** 2)), None
 
 
-class Evaluator:
-    """A local copy of the plan's stages, loaded with fetched states, run on test data."""
+class StateScorer:
+    """Scores stage states: a local copy of the plan's stages, loaded with the states, run on the test set."""
 
     def __init__(self, plan_dir: Path, manifest: Manifest):
         self.plan_dir = plan_dir  # the plan the states it evaluates belong to
@@ -68,7 +68,7 @@ class Evaluator:
 class Evaluation:
     """Evaluates the run's epoch ends and keeps the latest as its checkpoint (``checkpoints/latest``).
 
-    Owns the epoch ends awaiting copies, the evaluations under way and the local evaluator;
+    Owns the epoch ends awaiting copies, the evaluations under way and the local scorer;
     reads the placement from ``state`` and the async schedule's copies from ``central``.
     """
 
@@ -81,16 +81,16 @@ class Evaluation:
         self._dataset = dataset
         self._central = central
         self._progress = progress
-        self._evaluator: Evaluator | None = None
+        self._scorer: StateScorer | None = None
         self._checkpoint_epochs: dict[int, int] = {}  # step -> epoch, awaiting every stage's copy
         self._evaluations: list[asyncio.Task] = []
-        self._lock = asyncio.Lock()  # one evaluator, one checkpoint folder
+        self._lock = asyncio.Lock()  # one scorer, one checkpoint folder
         self._checkpoint_arrived = asyncio.Event()  # set whenever an awaited epoch end's copies are all in
         self._shown: dict[int, tuple] = {}  # epoch -> the evaluation printed for it (a replay prints it once)
 
     def use_plan(self, plan_dir: Path, manifest: Manifest) -> None:
         """Evaluate with this plan's stages from now on (the cuts moved)."""
-        self._evaluator = Evaluator(plan_dir, manifest)
+        self._scorer = StateScorer(plan_dir, manifest)
 
     def expect_checkpoints(self, epochs_by_step: dict[int, int]) -> None:
         """Evaluate after these steps (epoch ends inside a segment) once every stage's copy is in."""
@@ -108,7 +108,7 @@ class Evaluation:
             self._skip(step, epoch, f"the snapshot is unreadable: {error}")
             return
         # evaluated on the plan the copies are of, even if a recovery moves the cuts before it runs
-        evaluation = self._evaluate_states(states, self._evaluator, epoch, step, "snapshot")
+        evaluation = self._evaluate_states(states, self._scorer, epoch, step, "snapshot")
         self._evaluations.append(asyncio.ensure_future(evaluation))
 
     async def settle(self, through_step: int | None = None, drop_later: bool = False) -> None:
@@ -138,7 +138,7 @@ class Evaluation:
     async def evaluate(self, epoch: int, step: int) -> tuple[float | None, float | None]:
         """Evaluate the stages' current states (the pipeline has drained after ``step``)."""
         await self.settle()
-        return await self._evaluate_states(await self._fetch_states(), self._evaluator, epoch, step, "drained")
+        return await self._evaluate_states(await self._fetch_states(), self._scorer, epoch, step, "drained")
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -162,14 +162,14 @@ class Evaluation:
 
         return list(await asyncio.gather(*(fetch(url) for url in self._state.order)))
 
-    async def _evaluate_states(self, states: list[StageState], evaluator: Evaluator, epoch: int, step: int,
+    async def _evaluate_states(self, states: list[StageState], scorer: StateScorer, epoch: int, step: int,
                                source: str) -> tuple[float | None, float | None]:
-        """Save ``states`` (of ``evaluator``'s plan) as the latest checkpoint, evaluate them on the test set,
+        """Save ``states`` (of ``scorer``'s plan) as the latest checkpoint, evaluate them on the test set,
         log the result."""
         async with self._lock:
-            written = self._save_checkpoint(states, evaluator.plan_dir, epoch, step)
+            written = self._save_checkpoint(states, scorer.plan_dir, epoch, step)
             loss, accuracy = await asyncio.get_running_loop().run_in_executor(
-                None, evaluator.evaluate, states, self._dataset.x_test, self._dataset.y_test)
+                None, scorer.evaluate, states, self._dataset.x_test, self._dataset.y_test)
         self._log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
                          checkpoint_bytes=written, source=source)
         self._show(epoch, loss, accuracy)

@@ -12,7 +12,7 @@ import pytest
 
 from edgert.coordinator.coordinator import TrainConfig, train
 from edgert.coordinator.errors import TrainingError
-from edgert.coordinator.evaluation import Evaluator
+from edgert.coordinator.evaluation import StateScorer
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
 from edgert.errors import EdgertError
@@ -100,7 +100,7 @@ def test_training_run_records_metrics_trace_and_merges(cluster, plans, tmp_path)
     session = onnxruntime.InferenceSession(str(merged), providers=["CPUExecutionProvider"])
     logits = session.run(None, {"input": data.x_test})[0]
     manifest = load_manifest(plans[3])
-    evaluator = Evaluator(plans[3], manifest)
+    evaluator = StateScorer(plans[3], manifest)
     states = [load_state(out / "checkpoints" / "latest" / f"stage{k}.cbor") for k in range(3)]
     chained_loss, chained_accuracy = evaluator.evaluate(states, data.x_test, data.y_test)
     assert float(np.mean(logits.argmax(1) == data.y_test)) == pytest.approx(chained_accuracy)
@@ -122,7 +122,7 @@ def test_async_schedule_trains_through_epoch_ends_without_draining(cluster, plan
     states = [load_state(snapshot / f"stage{k}.cbor") for k in range(3)]
     assert all(state.step == 2 * per_epoch - 1 for state in states)
     data = load_dataset("digits-image")
-    loss, accuracy = Evaluator(plans[3], load_manifest(plans[3])).evaluate(states, data.x_test, data.y_test)
+    loss, accuracy = StateScorer(plans[3], load_manifest(plans[3])).evaluate(states, data.x_test, data.y_test)
     assert (loss, accuracy) == pytest.approx((evals[1]["test_loss"], evals[1]["test_accuracy"]), rel=1e-9)
 
 
