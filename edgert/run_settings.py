@@ -3,7 +3,9 @@
 The coordinator builds a :class:`RunSettings` from ``edgert train``'s options (whose defaults are
 these), every ``PUT /stage`` and ``POST /profile`` carries it as ``meta.settings``
 (:class:`edgert.protocol.StageAssignment`, docs/PROTOCOL.md), and the worker reads its stage's
-codecs, threads, timeout, memory mode and copy intervals from it.
+codecs, threads, timeout, memory mode and copy intervals from it. The codecs here are the run-wide
+ones: a link the plan gives its own codec says so in the assignment's ``peers`` (``next_codec``,
+``previous_codec``), which take precedence.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from edgert.transport import get_codec
 from edgert.typed_data import above, at_least, one_of, satisfies
 
 
-def _codec(spec: str) -> bool:
+def is_codec_spec(spec: str) -> bool:
     """A codec spec the worker can build (raises ValueError with the parser's reason otherwise)."""
     try:
         get_codec(spec)
@@ -25,7 +27,7 @@ def _codec(spec: str) -> bool:
     return True
 
 
-CODEC = satisfies(_codec, "must be a codec spec (none, fp16, int8, int4, topk:RATIO...)")
+CODEC = satisfies(is_codec_spec, "must be a codec spec (none, fp16, int8, int4, topk:RATIO...)")
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,8 @@ class RunSettings:
     """The settings every stage of one run shares, each default stated here only."""
 
     training: TrainingConfig  # loss, optimizer and its hyper-parameters (the plan's, --lr applied)
-    forward_codec: str = field(default="none", metadata=CODEC)  # activations sent to the next stage
-    backward_codec: str = field(default="none", metadata=CODEC)  # gradients sent to the previous stage
+    forward_codec: str = field(default="none", metadata=CODEC)  # activations sent on a link with no codec of its own
+    backward_codec: str = field(default="none", metadata=CODEC)  # gradients sent on a link with no codec of its own
     forward_threads: int = field(default=1, metadata=at_least(1))  # ORT intra-op threads, forward session
     backward_threads: int = field(default=1, metadata=at_least(1))  # ... and backward session
     wait_timeout: float = field(default=120.0, metadata=above(0))  # seconds a stage waits for a tensor

@@ -4,20 +4,25 @@ The planner (edgert.exporter.planner.solver) chooses the cuts, the device order,
 slow links and the threads; this module maps ``devices.json`` onto its problem (through
 the same :class:`Replanner` live re-planning uses), exports the plan folder, and writes
 ``placement.json`` beside the manifest: which device runs which stage, with the predicted
-times (docs/PLANNER.md).
+times (docs/PLANNER.md). ``edgert train`` reads it back (:func:`load_placement`) for each link's codec.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgert.devices import load_devices
 from edgert.exporter.errors import ExportError
-from edgert.exporter.planner.replanner import Replanner
 from edgert.manifest import Manifest, TrainingConfig
+from edgert.run_settings import is_codec_spec
+from edgert.typed_data import load_dataclass, load_json_file, satisfies
+
+if TYPE_CHECKING:  # the planner (onnx) is loaded only to plan: `edgert train` reads placement.json without it
+    from edgert.exporter.planner.replanner import Replanner
 
 PLACEMENT_NAME = "placement.json"
 
@@ -40,7 +45,8 @@ class PlannedPlacement:
     """What ``placement.json`` holds."""
 
     stages: tuple[PlannedStage, ...]
-    link_codecs: tuple[str, ...]
+    link_codecs: tuple[str, ...] = field(metadata=satisfies(lambda specs: all(map(is_codec_spec, specs)),
+                                                            "must be codec specs"))  # link k: stage k -> k + 1
     link_ms: tuple[float, ...]
     bottleneck_ms: float
     predicted_step_ms: float
@@ -56,10 +62,20 @@ class PlannedPlacement:
         return [stage.url for stage in self.stages]
 
 
+def load_placement(plan_dir: Path) -> PlannedPlacement | None:
+    """The plan folder's ``placement.json`` (None: the plan was not made by ``edgert plan``)."""
+    path = Path(plan_dir) / PLACEMENT_NAME
+    if not path.is_file():
+        return None
+    return load_json_file(path, lambda data: load_dataclass(PlannedPlacement, data))
+
+
 def plan_for_devices(model_path: Path, devices_path: Path, out_dir: Path, training: TrainingConfig,
                      batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
                      memory_mode: str = "recompute", allow_groups: bool = False) -> tuple[Manifest, PlannedPlacement]:
     """Plan ``model_path`` for the devices of ``devices_path`` and export the plan into ``out_dir``."""
+    from edgert.exporter.planner.replanner import Replanner
+
     devices = load_devices(devices_path)
     with tempfile.TemporaryDirectory(prefix="edgert-plan-") as scratch_name:
         scratch = Path(scratch_name)

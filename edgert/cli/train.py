@@ -12,6 +12,7 @@ from edgert.cli.params import CoapUrl, CoapUrlList, CodecSpec, log_level_option,
 from edgert.coordinator.coordinator import REPLAN_MODES, TrainConfig, resumed_config, train
 from edgert.coordinator.runlog import new_run_folder
 from edgert.manifest import MEMORY_MODES
+from edgert.run_settings import RunSettings
 from edgert.schedule import SCHEDULES
 
 
@@ -28,10 +29,14 @@ from edgert.schedule import SCHEDULES
 @click.option("--lr", "learning_rate", type=float, default=TrainConfig.learning_rate,
               help="Override the plan's learning rate.")
 @click.option("--seed", type=int, default=TrainConfig.seed, show_default=True)
-@click.option("--codec", type=CodecSpec(), default=TrainConfig.forward_codec, show_default=True,
-              help="Codec for activations: none, fp16, int8, int4 (int8:axis=1: per channel).")
-@click.option("--grad-codec", type=CodecSpec(), default=TrainConfig.backward_codec, show_default=True,
-              help="Codec for gradients: none, fp16, int8, int4, topk:RATIO (e.g. topk:0.01) or topk:k=N.")
+@click.option("--codec", type=CodecSpec(), default=TrainConfig.forward_codec,
+              help="Codec for activations on every link: none, fp16, int8, int4 (int8:axis=1: per channel). "
+                   "Given, it overrides the per-link codecs of the plan's placement.json (edgert plan); "
+                   f"default: the plan's, else {RunSettings.forward_codec}.")
+@click.option("--grad-codec", type=CodecSpec(), default=TrainConfig.backward_codec,
+              help="Codec for gradients on every link: none, fp16, int8, int4, topk:RATIO (e.g. topk:0.01) or "
+                   "topk:k=N. Given, it overrides the plan's per-link codecs; default: the plan's (a link's "
+                   f"gradients go in its activations' codec), else {RunSettings.backward_codec}.")
 @click.option("--threads", type=int, default=TrainConfig.forward_threads, show_default=True,
               help="ORT intra-op threads per worker session.")
 @click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=TrainConfig.memory_mode, show_default=True,
@@ -71,7 +76,8 @@ from edgert.schedule import SCHEDULES
 @log_level_option
 def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs: int, steps: int | None,
                   batch_size: int, micro_batches: int, schedule: str, learning_rate: float | None, seed: int,
-                  codec: str, grad_codec: str, threads: int, memory_mode: str, out_dir: Path | None, overwrite: bool,
+                  codec: str | None, grad_codec: str | None, threads: int, memory_mode: str, out_dir: Path | None,
+                  overwrite: bool,
                   listen: str | None, keys: Path | None,
                   insecure: bool, advertise: str | None,
                   step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
@@ -137,3 +143,7 @@ def print_summary(summary, as_json: bool) -> None:
                f"samples/s, test accuracy {shown(summary.test_accuracy)}, test loss {shown(summary.test_loss)}")
     for k, (name, share) in enumerate(zip(summary.workers, summary.stage_utilisation)):
         click.echo(f"  stage {k} on {name}: {share * 100:.1f}% busy")
+    if any(link[d] != "none" for link in summary.links for d in ("forward", "backward")):
+        for link in summary.links:
+            click.echo(f"  link {link['link']} ({link['sender']} -> {link['receiver']}): activations "
+                       f"{link['forward']}, gradients {link['backward']}")

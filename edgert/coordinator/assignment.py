@@ -5,6 +5,10 @@ its new stage (``PUT /stage``; it keeps a copy of the state it held), then fetch
 parameters *and optimizer state* of the blocks it now owns straight from the workers that
 held them (``POST /migrate`` -> ``FETCH /weights`` between workers). Nothing passes
 through the coordinator, and nothing learned is lost.
+
+Each link between consecutive stages carries its activations and gradients in the codecs
+:func:`link_codecs` gives it (the plan's ``placement.json``, or the run's), told to the sending
+stages in their peers.
 """
 
 from __future__ import annotations
@@ -16,23 +20,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgert.coordinator.errors import AssignmentError
+from edgert.exporter.device_plan import PLACEMENT_NAME, load_placement
 from edgert.manifest import Manifest, TrainingConfig
 from edgert.protocol import MIGRATE, SELF, STAGE, MigrateRequest, MigrationSource, Peers, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.transport import TensorClient, TransportError
 
+DIRECTIONS = ("forward", "backward")  # activations to the next stage, gradients to the previous one
+
 
 @dataclass(frozen=True)
 class RunBriefing:
     """What the coordinator tells every stage of a run (its settings, where to report) and how: how many
-    ring neighbours get each stage's copies, and the cluster key that signs it (None: --insecure)."""
+    ring neighbours get each stage's copies, the cluster key that signs it (None: --insecure), and the
+    directions whose codec each link takes from its plan (the others use ``settings``' on every link)."""
 
     run_id: str
     coordinator_url: str
     settings: RunSettings
     replicas: int
     signing: StageSigning | None
+    planned_codecs: tuple[str, ...]  # some of DIRECTIONS: those --codec / --grad-codec did not fix
+
+
+@dataclass(frozen=True)
+class LinkCodecs:
+    """The codecs of the link from stage ``k`` to ``k + 1``: its activations' and its gradients'."""
+
+    forward: str
+    backward: str
 
 
 @dataclass(frozen=True)
@@ -45,15 +62,18 @@ class Migration:
 
 
 async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str],
-                 briefing: RunBriefing) -> None:
-    """Send stage ``k`` of ``manifest`` to worker ``order[k]``, all at once."""
+                 briefing: RunBriefing) -> tuple[LinkCodecs, ...]:
+    """Send stage ``k`` of ``manifest`` to worker ``order[k]``, all at once; the codecs each link was given."""
     stages = len(manifest.stages)
+    links = link_codecs(plan_dir, stages, briefing)
 
     async def one(k: int) -> None:
         entry = manifest.stages[k]
-        peers = Peers(previous=order[k - 1] if k > 0 else None, next=order[k + 1] if k + 1 < stages else None,
-                      coordinator=briefing.coordinator_url, previous_name=names[k - 1] if k > 0 else None,
-                      next_name=names[k + 1] if k + 1 < stages else None)
+        first, last = k == 0, k + 1 == stages
+        peers = Peers(previous=None if first else order[k - 1], next=None if last else order[k + 1],
+                      coordinator=briefing.coordinator_url, previous_name=None if first else names[k - 1],
+                      next_name=None if last else names[k + 1], next_codec=None if last else links[k].forward,
+                      previous_codec=None if first else links[k - 1].backward)
         assignment = StageAssignment(run_id=briefing.run_id, entry=entry, stages=stages, peers=peers,
                                      settings=briefing.settings,
                                      replica_targets=ring_neighbours(order, k, briefing.replicas))
@@ -66,6 +86,24 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
             raise AssignmentError(f"worker {names[k]} ({order[k]}) refused stage {k}: {error}") from None
 
     await asyncio.gather(*(one(k) for k in range(stages)))
+    return links
+
+
+def link_codecs(plan_dir: Path, stages: int, briefing: RunBriefing) -> tuple[LinkCodecs, ...]:
+    """Each link's codecs: in a direction of ``briefing.planned_codecs``, the planner's choice for that link
+    (``placement.json``'s ``link_codecs``, which the planner costs for both directions alike); otherwise, or
+    for a plan folder without ``placement.json`` (a re-plan's or a recovery's), the run's settings'."""
+    placement = load_placement(plan_dir) if briefing.planned_codecs else None
+    if placement is not None and len(placement.link_codecs) != stages - 1:
+        raise AssignmentError(f"{plan_dir / PLACEMENT_NAME}: {len(placement.link_codecs)} link codecs for a plan of "
+                              f"{stages} stages (expected {stages - 1})")
+
+    def codec(direction: str, link: int) -> str:
+        if placement is not None and direction in briefing.planned_codecs:
+            return placement.link_codecs[link]
+        return getattr(briefing.settings, f"{direction}_codec")
+
+    return tuple(LinkCodecs(*(codec(direction, k) for direction in DIRECTIONS)) for k in range(stages - 1))
 
 
 def ring_neighbours(order: list[str], k: int, replicas: int) -> tuple[str, ...]:

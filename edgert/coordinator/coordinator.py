@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgert.coordinator.assignment import RunBriefing, assign, with_learning_rate
+from edgert.coordinator.assignment import DIRECTIONS, RunBriefing, assign, with_learning_rate
 from edgert.coordinator.data import Batch, batches, load_training_data
 from edgert.coordinator.errors import AssignmentError, TrainingError, WorkerFailure
 from edgert.coordinator.evaluation import Evaluation
@@ -67,8 +67,8 @@ class TrainConfig:
     learning_rate: float | None = None
     seed: int = 0
     lookahead: int = 8
-    forward_codec: str = RunSettings.forward_codec
-    backward_codec: str = RunSettings.backward_codec
+    forward_codec: str | None = None  # every link's activations; None: the plan's per link, else RunSettings'
+    backward_codec: str | None = None  # every link's gradients; None: the plan's per link, else RunSettings'
     forward_threads: int = RunSettings.forward_threads
     backward_threads: int = RunSettings.backward_threads
     connect_timeout: float = 5.0
@@ -91,11 +91,15 @@ class TrainConfig:
 
     def run_settings(self, training: TrainingConfig) -> RunSettings:
         """What every stage of this run is told, training by ``training`` (the plan's, ``--lr`` applied)."""
-        return RunSettings(training=with_learning_rate(training, self.learning_rate),
-                           forward_codec=self.forward_codec, backward_codec=self.backward_codec,
+        given = {f"{d}_codec": getattr(self, f"{d}_codec") for d in DIRECTIONS if d not in self.planned_codecs()}
+        return RunSettings(training=with_learning_rate(training, self.learning_rate), **given,
                            forward_threads=self.forward_threads, backward_threads=self.backward_threads,
                            wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
                            replicate_every=self.replicate_every, central_every=self.central_every)
+
+    def planned_codecs(self) -> tuple[str, ...]:
+        """The directions whose codec each link takes from the plan: those not given on the command line."""
+        return tuple(d for d in DIRECTIONS if getattr(self, f"{d}_codec") is None)
 
 
 class Coordinator:
@@ -260,19 +264,24 @@ class Coordinator:
         self.state.settings = RunBriefing(
             run_id=self.run_id, coordinator_url=f"{scheme}://{host}:{port}",
             settings=self.config.run_settings(self.state.manifest.training), replicas=self.config.replicas,
-            signing=None if self.security is None else self.security.signing)
+            signing=None if self.security is None else self.security.signing,
+            planned_codecs=self.config.planned_codecs())
 
     async def _assign_stages(self) -> None:
         self._prepare_settings()
         state = self.state
         started = time.perf_counter()
         try:
-            await assign(self.client, state.manifest, state.plan_dir, state.order, state.names, state.settings)
+            links = await assign(self.client, state.manifest, state.plan_dir, state.order, state.names,
+                                 state.settings)
         except EdgertError as error:
             raise TrainingError(str(error)) from None
         self.ledger.configure(state.names)
         self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=state.names,
                        cuts=list(state.manifest.cuts))
+        self.log.event("links", links=[{"link": k, "sender": state.names[k], "receiver": state.names[k + 1],
+                                        "forward": link.forward, "backward": link.backward}
+                                       for k, link in enumerate(links)])
 
     async def _release_workers(self) -> None:
         async def stop(url: str) -> None:

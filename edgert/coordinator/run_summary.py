@@ -33,6 +33,7 @@ class RunSummary:
     schedule: str = ""
     replans: int = 0
     recoveries: int = 0
+    links: list[dict[str, Any]] = field(default_factory=list)  # the last ``links`` event's (docs/RUNS.md)
 
 
 def summarise(run_dir: Path) -> RunSummary:
@@ -67,7 +68,7 @@ def summarise(run_dir: Path) -> RunSummary:
         test_accuracy=evaluation.get("test_accuracy"),
         stage_utilisation=[round(busy.get(name, 0.0) / 1000 / wall, 4) for name in workers], workers=workers,
         schedule=str(config["schedule"]), replans=len(_events(written, "replan")),
-        recoveries=len(_events(written, "recovery")))
+        recoveries=len(_events(written, "recovery")), links=(_events(written, "links") or [{}])[-1].get("links", []))
 
 
 def count_events(run_dir: Path, *names: str) -> list[int]:

@@ -19,21 +19,23 @@ from edgert.protocol.resources import (
     is_url,
     load_meta,
 )
-from edgert.run_settings import RunSettings
+from edgert.run_settings import CODEC, RunSettings
 from edgert.transport import Envelope
 from edgert.typed_data import at_least, satisfies, to_data
 
 
 @dataclass(frozen=True)
 class Peers:
-    """Where a stage sends activations, gradients and reports; over TLS the neighbours' credential names
-    are the only senders of its activations (``previous_name``) and gradients (``next_name``)."""
+    """Where a stage sends activations, gradients and reports, and in which codecs; over TLS the neighbours'
+    credential names are the only senders of its activations (``previous_name``) and gradients (``next_name``)."""
 
     previous: str | None = field(metadata=OPTIONAL_URL)  # None (or ""): the first stage
     next: str | None = field(metadata=OPTIONAL_URL)  # None (or ""): the last stage
     coordinator: str = field(metadata=OPTIONAL_URL)  # "": none (a stage sent to be profiled)
     previous_name: str | None = None
     next_name: str | None = None
+    next_codec: str | None = field(default=None, metadata=CODEC)  # activations to ``next``; None: the run's
+    previous_codec: str | None = field(default=None, metadata=CODEC)  # gradients to ``previous``; None: the run's
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,16 @@ class StageAssignment:
     settings: RunSettings
     replica_targets: tuple[str, ...] = field(default=(), metadata=satisfies(
         lambda urls: all(is_url(u) for u in urls), "must be worker URLs"))
+
+    @property
+    def forward_codec(self) -> str:
+        """The codec of the activations this stage sends: its outgoing link's, else the run's."""
+        return self.peers.next_codec or self.settings.forward_codec
+
+    @property
+    def backward_codec(self) -> str:
+        """The codec of the gradients this stage sends: its incoming link's, else the run's."""
+        return self.peers.previous_codec or self.settings.backward_codec
 
     @property
     def roles(self) -> tuple[str, ...]:

@@ -53,8 +53,8 @@ class ComputeThread:
         self._thread.start()
 
     def new_stage(self, codecs: dict[str, Codec]) -> None:
-        """A stage was installed: its tensors go out with ``codecs`` ("forward", "backward"); no report is left
-        of the previous one."""
+        """A stage was installed: its tensors go out with ``codecs`` ("forward": its outgoing link's activations,
+        "backward": its incoming link's gradients); no report is left of the previous one."""
         self._unsent_reports = []
         self._codecs = codecs
 

@@ -249,12 +249,11 @@ class Worker:
         self.outbox.new_generation()
         self.outbox.forget()
         self.inputs.inbox.reset()
-        settings = assignment.settings
-        self.compute.new_stage({"forward": get_codec(settings.forward_codec),
-                                "backward": get_codec(settings.backward_codec)})
+        self.compute.new_stage({"forward": get_codec(assignment.forward_codec),
+                                "backward": get_codec(assignment.backward_codec)})
         executor = StageExecutor(session, assignment.entry.index, self.inputs.inbox,
                                  self.compute.send_forward, self.compute.send_backward,
-                                 self.config.slowdown, settings.wait_timeout,
+                                 self.config.slowdown, assignment.settings.wait_timeout,
                                  before_wait=self.compute.flush_reports)
         self.current.install(assignment, session, executor)
 

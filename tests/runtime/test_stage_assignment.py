@@ -75,6 +75,10 @@ def _broken(change) -> Envelope:
     (lambda m: m["entry"].__setitem__("index", 1.0), "meta.entry.index: expected an integer"),
     (lambda m: m["entry"]["inputs"][0].__setitem__("shape", ["N", None]), r"meta.entry.inputs\[0\].shape\[1\]"),
     (lambda m: m["peers"].__setitem__("next", "http://x"), "meta.peers.next must be a worker URL"),
+    (lambda m: m["peers"].__setitem__("next_codec", "int9"), "meta.peers.next_codec must be a codec spec"),
+    (lambda m: m["peers"].__setitem__("previous_codec", "topk:ratio=2"),
+     "meta.peers.previous_codec must be a codec spec"),
+    (lambda m: m["peers"].__setitem__("previous_codec", 8), "meta.peers.previous_codec: expected"),
     (lambda m: m["replica_targets"].append(5), r"meta.replica_targets\[1\]: expected a string"),
     (lambda m: m.pop("settings"), "meta.settings: missing"),
     (lambda m: m.__setitem__("run_id", "r2"), "unknown field 'run_id'"),
@@ -85,6 +89,14 @@ def test_an_unknown_or_mistyped_field_is_refused_by_name(change, message):
         StageAssignment.from_envelope(envelope)
     with pytest.raises(BadRequest, match=message):  # a 4.00 on the wire
         read_request(StageAssignment.from_envelope, envelope)
+
+
+def test_a_stage_sends_in_its_links_codecs_else_in_the_runs():
+    assert (ASSIGNMENT.forward_codec, ASSIGNMENT.backward_codec) == ("int8:axis=1", "none")
+    linked = dataclasses.replace(ASSIGNMENT, peers=dataclasses.replace(ASSIGNMENT.peers, next_codec="none",
+                                                                       previous_codec="topk:0.1"))
+    assignment, _ = StageAssignment.from_envelope(wire(linked.to_envelope({})))
+    assert (assignment.forward_codec, assignment.backward_codec) == ("none", "topk:0.1")
 
 
 def test_the_signature_fields_and_the_profile_options_may_share_the_meta():

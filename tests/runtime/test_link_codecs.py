@@ -1,0 +1,128 @@
+"""Per-link codecs: real workers on loopback send each link's tensors in the codec the plan's placement.json
+gives it, the command line's codecs override the plan on every link, and the run records what each link used."""
+
+import json
+from dataclasses import asdict, replace
+
+import numpy as np
+import pytest
+
+from edgert.cli.train import print_summary
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.run_summary import RunSummary
+from edgert.coordinator.runlog import read_metrics
+from edgert.errors import FileFormatError
+from edgert.exporter.device_plan import PLACEMENT_NAME, PlannedPlacement, PlannedStage, load_placement
+from edgert.exporter.export import ExportOptions, export_plan
+from edgert.manifest import TrainingConfig, load_manifest
+from edgert.models import build_model, save_model
+from edgert.weights import load_state
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster(3, log_dir=tmp_path_factory.mktemp("worker-logs")) as running:
+        yield running
+
+
+def write_placement(plan_dir, workers, link_codecs):
+    """A placement.json as `edgert plan` writes it, for the plan in ``plan_dir`` on ``workers``."""
+    stages = tuple(PlannedStage(entry.index, entry.blocks, f"w{entry.index}", url, 1.0, 1, 1)
+                   for entry, url in zip(load_manifest(plan_dir).stages, workers))
+    placement = PlannedPlacement(stages=stages, link_codecs=tuple(link_codecs), link_ms=(1.0,) * len(link_codecs),
+                                 bottleneck_ms=1.0, predicted_step_ms=10.0, unused_devices=(), schedule="1f1b",
+                                 batch_size=64, micro_batches=4, memory_mode="recompute")
+    (plan_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(placement)))
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, cluster):
+    """The cnn in 3 stages: ``bare`` without placement.json, ``int8_none`` planned int8 then none, and
+    ``int8`` planned int8 on both links."""
+    folder = tmp_path_factory.mktemp("plans")
+    save_model(build_model("cnn"), folder / "cnn.onnx")
+    options = ExportOptions(stages=3, training=TrainingConfig(learning_rate=3e-3))
+    plans = {}
+    for name, codecs in (("bare", None), ("int8_none", ("int8", "none")), ("int8", ("int8", "int8"))):
+        export_plan(folder / "cnn.onnx", folder / name, options)
+        if codecs is not None:
+            write_placement(folder / name, cluster.urls, codecs)
+        plans[name] = folder / name
+    return plans
+
+
+def run(plan, workers, out, **options):
+    config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, data="digits",
+                         listen="coap+tcp://127.0.0.1:0", progress=False, **options)
+    return train(config)
+
+
+def links_used(out):
+    """The codecs of the run's ``links`` event, per link: (activations, gradients)."""
+    events = [m for m in read_metrics(out) if m["type"] == "event" and m["event"] == "links"]
+    assert len(events) == 1
+    return [(link["forward"], link["backward"]) for link in events[0]["links"]]
+
+
+def parameters(out):
+    values = {}
+    for k in range(3):
+        values.update(load_state(out / "checkpoints" / "latest" / f"stage{k}.cbor").parameters)
+    return values
+
+
+def test_each_link_uses_the_codec_the_plan_gives_it(cluster, plans, tmp_path):
+    planned = run(plans["int8_none"], cluster.urls, tmp_path / "planned", steps=8)
+    assert links_used(tmp_path / "planned") == [("int8", "int8"), ("none", "none")]
+    assert [(link["sender"], link["receiver"]) for link in planned.links] == list(zip(planned.workers,
+                                                                                      planned.workers[1:]))
+    bare = run(plans["bare"], cluster.urls, tmp_path / "bare", steps=8)
+    assert links_used(tmp_path / "bare") == [("none", "none")] * 2  # no placement.json: as before
+    # what the workers sent was quantised: the same steps, seed and data train other parameters
+    quantised, exact = parameters(tmp_path / "planned"), parameters(tmp_path / "bare")
+    assert any(not np.array_equal(quantised[name], exact[name]) for name in exact)
+    assert planned.train_loss == pytest.approx(bare.train_loss, rel=0.05)
+
+
+def test_codecs_given_on_the_command_line_override_the_plan_on_every_link(cluster, plans, tmp_path):
+    run(plans["int8_none"], cluster.urls, tmp_path / "fp16", steps=2, forward_codec="fp16")
+    assert links_used(tmp_path / "fp16") == [("fp16", "int8"), ("fp16", "none")]  # gradients still planned
+    run(plans["int8_none"], cluster.urls, tmp_path / "none", steps=8, forward_codec="none", backward_codec="none")
+    assert links_used(tmp_path / "none") == [("none", "none")] * 2
+    run(plans["bare"], cluster.urls, tmp_path / "bare", steps=8)
+    exact, overridden = parameters(tmp_path / "bare"), parameters(tmp_path / "none")
+    assert all(np.array_equal(exact[name], overridden[name]) for name in exact)  # nothing was quantised
+
+
+def test_a_placement_with_a_bad_codec_is_refused_naming_it(plans, tmp_path):
+    folder = tmp_path / "plan"
+    folder.mkdir()
+    data = json.loads((plans["int8_none"] / PLACEMENT_NAME).read_text())
+    (folder / PLACEMENT_NAME).write_text(json.dumps({**data, "link_codecs": ["int8", "int9"]}))
+    with pytest.raises(FileFormatError, match=r"placement.json: link_codecs must be codec specs.*int9"):
+        load_placement(folder)
+    assert load_placement(plans["bare"]) is None
+
+
+def test_the_summary_names_each_links_codecs_unless_all_are_none(capsys):
+    summary = RunSummary(run_dir="r", steps=1, epochs=1, samples=64, train_seconds=1.0, samples_per_s=64.0,
+                         train_loss=1.0, test_loss=None, test_accuracy=None, workers=["a", "b"],
+                         links=[{"link": 0, "sender": "a", "receiver": "b", "forward": "none", "backward": "none"}])
+    print_summary(summary, as_json=False)
+    assert "link 0" not in capsys.readouterr().out
+    summary = replace(summary, links=[{**summary.links[0], "forward": "int8"}])
+    print_summary(summary, as_json=False)
+    assert "link 0 (a -> b): activations int8, gradients none" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_int8_on_every_link_is_within_one_point_of_uncompressed_on_digits(cluster, plans, tmp_path):
+    compressed = run(plans["int8"], cluster.urls, tmp_path / "int8", epochs=5, seed=1)
+    exact = run(plans["bare"], cluster.urls, tmp_path / "none", epochs=5, seed=1)
+    assert links_used(tmp_path / "int8") == [("int8", "int8")] * 2
+    print(f"test accuracy: int8 links {compressed.test_accuracy:.4f}, uncompressed {exact.test_accuracy:.4f}")
+    assert exact.test_accuracy >= 0.9
+    assert abs(compressed.test_accuracy - exact.test_accuracy) <= 0.01
