@@ -1,6 +1,7 @@
 """Per-link codecs: real workers on loopback send each link's tensors in the codec the plan's placement.json
 gives it, the command line's codecs override the plan on every link, and the run records what each link used."""
 
+import asyncio
 import json
 from dataclasses import asdict, replace
 
@@ -17,6 +18,9 @@ from edgert.exporter.device_plan import PLACEMENT_NAME, PlannedPlacement, Planne
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, save_model
+from edgert.protocol import ACT, DATA_KINDS, RUN, STAGE, STOP, Peers, Segment, StageAssignment
+from edgert.run_settings import RunSettings
+from edgert.transport import ClientConfig, Envelope, TensorClient, TensorServer, TransportError
 from edgert.weights import load_state
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,6 +89,48 @@ def test_each_link_uses_the_codec_the_plan_gives_it(cluster, plans, tmp_path):
     quantised, exact = parameters(tmp_path / "planned"), parameters(tmp_path / "bare")
     assert any(not np.array_equal(quantised[name], exact[name]) for name in exact)
     assert planned.train_loss == pytest.approx(bare.train_loss, rel=0.05)
+
+
+def test_the_next_stage_receives_activations_in_the_links_codec(cluster, plans):
+    """A middle stage told ``next_codec: int8`` (and another codec for its gradients) sends int8 activations."""
+    manifest = load_manifest(plans["bare"])
+    entry = manifest.stages[1]
+    files = {a.role: (plans["bare"] / a.path).read_bytes() for a in entry.artifacts}
+    received = asyncio.run(activations_arriving(cluster.urls[1], entry, files, RunSettings(manifest.training)))
+    assert received and set(received.values()) == {"int8"}
+
+
+async def activations_arriving(worker, entry, files, settings):
+    """The codecs of the first activations ``worker`` sends to a stand-in next stage, by tensor name."""
+    arrived = asyncio.get_running_loop().create_future()
+
+    async def on_act(request):
+        if not arrived.done():
+            arrived.set_result(dict(request.envelope.codecs))
+
+    server = TensorServer("coap+tcp://127.0.0.1:0")
+    server.add_resource(ACT, post=on_act, rt="edgert.act", kinds=(DATA_KINDS[ACT],))
+    await server.start()
+    client = TensorClient(ClientConfig(timeout=60.0))
+    stand_in = server.urls[0]
+    assignment = StageAssignment(run_id="links", entry=entry, stages=3, settings=settings,
+                                 peers=Peers(stand_in, stand_in, stand_in, next_codec="int8", previous_codec="fp16"))
+    (spec,) = entry.inputs
+    shape = [4 if d == "N" else int(d) for d in spec.shape]  # one micro-batch of 4
+    activations = Envelope(kind="activations", run_id="links", step=0, microbatch=0, stage=1,
+                           tensors={spec.name: np.random.default_rng(0).standard_normal(shape).astype(np.float32)})
+    try:
+        await client.put(worker, STAGE, assignment.to_envelope(files))
+        await client.send(worker, RUN, Segment("gpipe", 3, 0, 1, 8, 2).to_envelope("links"))
+        await client.send(worker, ACT, activations)
+        return await asyncio.wait_for(arrived, 30)
+    finally:
+        try:
+            await client.post(worker, STOP, b"test over")
+        except TransportError:
+            pass
+        await client.close()
+        await server.shutdown()
 
 
 def test_codecs_given_on_the_command_line_override_the_plan_on_every_link(cluster, plans, tmp_path):
