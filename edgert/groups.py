@@ -32,6 +32,8 @@ class StageGroup:
     names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if len(set(self.members)) != len(self.members):
+            raise ProtocolError(f"group members must be one or more distinct worker URLs: {list(self.members)}")
         if len(self.shares) != len(self.members):
             raise ProtocolError(f"group of {len(self.members)} member(s) has {len(self.shares)} share(s)")
         if self.names and len(self.names) != len(self.members):

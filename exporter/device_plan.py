@@ -38,6 +38,20 @@ class PlannedStage:
     compute_ms: float
     forward_threads: int
     backward_threads: int
+    # a group (docs/PLANNER.md, "Groups"): every member's device, URL and share, `device` first; empty: `device` alone
+    devices: tuple[str, ...] = ()
+    urls: tuple[str, ...] = ()
+    shares: tuple[float, ...] = ()
+
+    @property
+    def member_urls(self) -> tuple[str, ...]:
+        """The URLs of the workers holding this stage, its holder of record first."""
+        return self.urls or (self.url,)
+
+    @property
+    def member_shares(self) -> tuple[float, ...]:
+        """Each member's share of every micro-batch."""
+        return self.shares or (1.0,)
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,8 @@ class PlannedPlacement:
 
     @property
     def workers(self) -> list[str]:
-        """The ``--workers`` list for ``edgert train``, in stage order."""
-        return [stage.url for stage in self.stages]
+        """The ``--workers`` list for ``edgert train``: every stage's members, in stage order."""
+        return [url for stage in self.stages for url in stage.member_urls]
 
 
 def load_placement(plan_dir: Path) -> PlannedPlacement | None:

@@ -1,0 +1,144 @@
+"""Groups run: real workers on loopback train a plan whose placement.json puts a stage on a group of workers
+that split every micro-batch, and the trained parameters equal one device's on the same batches."""
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+
+from edgert.coordinator.coordinator import TrainConfig, train
+from edgert.coordinator.errors import TrainingError
+from edgert.coordinator.localcluster import LocalCluster
+from edgert.coordinator.runlog import read_metrics
+from edgert.coordinator.stage_groups import check_splittable, member_rows, place_workers
+from edgert.exporter.device_plan import PLACEMENT_NAME, PlannedPlacement, PlannedStage
+from edgert.exporter.export import ExportOptions, export_plan
+from edgert.groups import StageGroup
+from edgert.manifest import TrainingConfig, load_manifest
+from edgert.models import build_model, save_model
+from edgert.weights import load_state
+
+pytestmark = pytest.mark.timeout(600)
+
+A, B, C, D = (f"coap+tcp://10.0.0.{k}:5683" for k in range(1, 5))
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster(5, log_dir=tmp_path_factory.mktemp("worker-logs")) as running:
+        yield running
+
+
+def write_groups(plan_dir, members, shares):
+    """A placement.json for the plan in ``plan_dir``: stage ``k`` on ``members[k]`` workers with ``shares[k]``."""
+    stages = []
+    for entry, urls, parts in zip(load_manifest(plan_dir).stages, members, shares):
+        names = tuple(f"w{entry.index}.{j}" for j in range(len(urls)))
+        group = {} if len(urls) == 1 else {"devices": names, "urls": tuple(urls), "shares": tuple(parts)}
+        stages.append(PlannedStage(entry.index, entry.blocks, names[0], urls[0], 1.0, 1, 1, **group))
+    placement = PlannedPlacement(stages=tuple(stages), link_codecs=("none",) * (len(stages) - 1),
+                                 link_ms=(1.0,) * (len(stages) - 1), bottleneck_ms=1.0, predicted_step_ms=10.0,
+                                 unused_devices=(), schedule="gpipe", batch_size=64, micro_batches=4,
+                                 memory_mode="recompute")
+    (plan_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(placement)))
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    """The mlp as one stage (the one device) and in three stages."""
+    folder = tmp_path_factory.mktemp("plans")
+    save_model(build_model("mlp"), folder / "mlp.onnx")
+    training = TrainingConfig(learning_rate=0.05)
+    export_plan(folder / "mlp.onnx", folder / "one", ExportOptions(stages=1, training=training))
+    export_plan(folder / "mlp.onnx", folder / "three", ExportOptions(stages=3, training=training))
+    return folder
+
+
+def run(plan, workers, out, schedule):
+    config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, data="digits", steps=STEPS,
+                         batch_size=64, micro_batches=4, schedule=schedule, listen="coap+tcp://127.0.0.1:0",
+                         progress=False)
+    return train(config)
+
+
+def parameters(out, stages):
+    values = {}
+    for k in range(stages):
+        values.update(load_state(out / "checkpoints" / "latest" / f"stage{k}.cbor").parameters)
+    return values
+
+
+def largest_relative_difference(trained, reference):
+    """The largest ``|a - b| / |b|`` (norms) over the parameters."""
+    assert trained.keys() == reference.keys()
+    return max(float(np.linalg.norm(trained[n] - reference[n]) / max(np.linalg.norm(reference[n]), 1e-12))
+               for n in reference)
+
+
+@pytest.fixture(scope="module")
+def one_device(mlp, cluster, tmp_path_factory):
+    """The reference: 20 steps of the whole mlp on one worker, under each schedule."""
+    out = tmp_path_factory.mktemp("one")
+    reference = {}
+    for schedule in ("gpipe", "1f1b"):
+        assert run(mlp / "one", cluster.urls[:1], out / schedule, schedule).steps == STEPS
+        reference[schedule] = parameters(out / schedule, 1)
+    return reference
+
+
+@pytest.mark.parametrize(("schedule", "layout", "shares"), [
+    ("gpipe", (1, 2, 1), ((1.0,), (0.7, 0.3), (1.0,))),  # a group in the middle
+    ("1f1b", (1, 2, 1), ((1.0,), (0.5, 0.5), (1.0,))),
+    ("1f1b", (1, 1, 2), ((1.0,), (1.0,), (0.3, 0.7))),  # a group holding the loss
+    ("gpipe", (1, 2, 2), ((1.0,), (0.7, 0.3), (0.4, 0.6))),  # two groups side by side: their row ranges cross
+], ids=["gpipe-middle-70-30", "1f1b-middle-50-50", "1f1b-last-30-70", "gpipe-middle-and-last"])
+def test_a_group_trains_the_same_parameters_as_one_device(mlp, cluster, one_device, tmp_path, schedule, layout,
+                                                          shares):
+    urls, members = list(cluster.urls), []
+    for size in layout:
+        members.append(tuple(urls[:size]))
+        urls = urls[size:]
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3, training=TrainingConfig(learning_rate=0.05)))
+    write_groups(plan, members, shares)
+    summary = run(plan, [url for group in members for url in group], tmp_path / "run", schedule)
+    assert summary.steps == STEPS
+    difference = largest_relative_difference(parameters(tmp_path / "run", 3), one_device[schedule])
+    print(f"{schedule} {layout} {shares}: largest relative parameter difference {difference:.2e}")
+    assert difference < 1e-5
+    assigned = [m for m in read_metrics(tmp_path / "run") if m.get("event") == "stages_assigned"]
+    assert [sorted(map(int, event["groups"])) for event in assigned] == \
+        [[k for k, size in enumerate(layout) if size > 1]]
+
+
+def test_a_run_is_refused_when_the_workers_do_not_match_the_groups(mlp, tmp_path):
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3))
+    urls = [f"coap+tcp://127.0.0.1:{5700 + k}" for k in range(4)]
+    write_groups(plan, [urls[:1], urls[1:3], urls[3:]], [(1.0,), (0.7, 0.3), (1.0,)])
+    with pytest.raises(TrainingError, match=r"3 stages held by 4 worker\(s\) \(groups in placement.json: stage 1: 2\) "
+                                            r"but 3 worker\(s\) were given"):
+        train(TrainConfig(plan_dir=plan, workers=tuple(urls[:3]), out_dir=tmp_path / "out",
+                          listen="coap+tcp://127.0.0.1:0", progress=False))
+    with pytest.raises(TrainingError, match=r"a micro-batch of 1 sample\(s\) cannot be split across a group of 2"):
+        train(TrainConfig(plan_dir=plan, workers=tuple(urls), out_dir=tmp_path / "out2", batch_size=4,
+                          micro_batches=4, listen="coap+tcp://127.0.0.1:0", progress=False))
+
+
+def test_the_coordinator_splits_workers_into_groups_and_each_member_gets_its_rows():
+    order, groups = place_workers([A, B, C, D], [(1.0,), (0.7, 0.3), (1.0,)], {A: "a", B: "b", C: "c", D: "d"})
+    assert order == [A, B, D] and groups[0] is None and groups[2] is None
+    assert groups[1] == StageGroup((B, C), (0.7, 0.3), ("b", "c"))
+    # a step of two micro-batches of 5 and 4 rows: member 1 owns rows 4 of the first and 3 of the second
+    assert member_rows(groups[1], 1, [5, 4]).tolist() == [4, 8]
+    assert member_rows(None, 0, [5, 4]).tolist() == list(range(9))
+    rows = np.concatenate([member_rows(groups[1], j, [16, 16, 16, 16]) for j in range(2)])
+    assert sorted(rows.tolist()) == list(range(64))  # the members' rows are the batch, once each
+    with pytest.raises(TrainingError, match=r"stage 1's group: group members must be one or more distinct"):
+        place_workers([A, B, B], [(1.0,), (0.5, 0.5)])
+    check_splittable(groups, 8, 4, "1f1b")
+    with pytest.raises(TrainingError, match=r"a micro-batch of 1 sample\(s\) cannot be split across a group of 2"):
+        check_splittable(groups, 7, 4, "gpipe")
