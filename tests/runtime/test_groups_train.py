@@ -17,7 +17,9 @@ from edgert.exporter.export import ExportOptions, export_plan
 from edgert.groups import StageGroup
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, save_model
-from edgert.weights import load_state
+from edgert.protocol import WEIGHTS
+from edgert.transport import ClientConfig, SyncClient
+from edgert.weights import StageState, load_state
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -151,6 +153,34 @@ def test_groups_train_deeper_models_as_one_device(cluster, tmp_path, model, trai
     print(f"{model} {schedule} {layout} {shares}: relative parameter difference {difference:.2e} (largest of a "
           f"tensor {largest_relative_difference(trained, reference):.2e})")
     assert difference < 1e-5
+
+
+def test_the_members_of_a_batchnorm_group_end_with_the_same_state(cluster, tmp_path):
+    """The cnn (BatchNorm) with a 0.7/0.3 group in the middle: not the one device's parameters (each member
+    normalises with its own rows' statistics), but both members hold bitwise the same parameters, running
+    statistics and optimizer state, and the run trains about as well."""
+    save_model(build_model("cnn"), tmp_path / "cnn.onnx")
+    training = TrainingConfig(learning_rate=3e-3)
+    export_plan(tmp_path / "cnn.onnx", tmp_path / "one", ExportOptions(stages=1, training=training))
+    export_plan(tmp_path / "cnn.onnx", tmp_path / "three", ExportOptions(stages=3, training=training))
+    members = members_of(cluster.urls, (1, 2, 1))
+    write_groups(tmp_path / "three", members, ((1.0,), (0.7, 0.3), (1.0,)))
+    reference = run(tmp_path / "one", cluster.urls[:1], tmp_path / "reference", "1f1b")
+    grouped = run(tmp_path / "three", [url for group in members for url in group], tmp_path / "run", "1f1b")
+    with SyncClient.start(ClientConfig(timeout=30.0)) as client:
+        states = [StageState.from_envelope(client.get(url, WEIGHTS).envelope()) for url in members[1]]
+    names = set(states[0].parameters)
+    assert {"conv2.bn.running_mean", "conv2.bn.running_var"} <= names or \
+        {"conv3.bn.running_mean", "conv3.bn.running_var"} <= names
+    for name in names:
+        assert np.array_equal(states[0].parameters[name], states[1].parameters[name]), name
+    assert states[0].optimizer and states[0].optimizer.keys() == states[1].optimizer.keys()
+    for name, buffers in states[0].optimizer.items():
+        assert all(np.array_equal(value, states[1].optimizer[name][buffer]) for buffer, value in buffers.items()), name
+    difference = model_relative_difference(parameters(tmp_path / "run", 3), parameters(tmp_path / "reference", 1))
+    print(f"cnn with a 0.7/0.3 group: relative parameter difference to one device {difference:.2e}, train loss "
+          f"{grouped.train_loss:.4f} against {reference.train_loss:.4f}")
+    assert grouped.train_loss == pytest.approx(reference.train_loss, rel=0.05)
 
 
 def test_a_run_is_refused_when_the_workers_do_not_match_the_groups(mlp, tmp_path):
