@@ -120,6 +120,24 @@ def test_a_group_trains_the_same_parameters_as_one_device(mlp, cluster, one_devi
         [[k for k, size in enumerate(layout) if size > 1]]
 
 
+def test_a_replan_from_a_group_placement_keeps_the_trained_state(mlp, cluster, one_device, tmp_path):
+    """A re-plan forced at step 10 of a run with a 0.7/0.3 group in the middle places one worker per stage (the
+    groups shrink away), moving the state from each stage's holder of record: 20 steps still equal one device's."""
+    members = members_of(cluster.urls, (1, 2, 1))
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3, training=TrainingConfig(learning_rate=0.05)))
+    write_groups(plan, members, ((1.0,), (0.7, 0.3), (1.0,)))
+    summary = train(TrainConfig(plan_dir=plan, workers=tuple(url for group in members for url in group),
+                                out_dir=tmp_path / "run", steps=STEPS, batch_size=64, micro_batches=4, schedule="1f1b",
+                                listen="coap+tcp://127.0.0.1:0", progress=False, replan_at=((10, None),)))
+    assert summary.steps == STEPS
+    (replan,) = [m for m in read_metrics(tmp_path / "run") if m.get("event") == "replan"]
+    stages = len(replan["new_cuts"]) + 1
+    difference = largest_relative_difference(parameters(tmp_path / "run", stages), one_device["1f1b"])
+    print(f"re-planned at step 10 onto {replan['workers']}: largest relative parameter difference {difference:.2e}")
+    assert difference < 1e-5
+
+
 def members_of(urls, layout):
     """``urls`` cut into groups of the ``layout``'s sizes."""
     members, urls = [], list(urls)
