@@ -341,7 +341,7 @@ class Coordinator:
         await self.evaluation.settle()
 
     async def _on_report(self, request: Request) -> None:
-        message = read_report(request, self.state.run_id, self.state.names)
+        message = read_report(request, self.state.run_id, self.state.names, self.state.member_names())
         worker = message.worker if request.identity is None else request.identity.name
         if message.failed is not None:
             self.ledger.fail(f"stage {message.stage} ({worker or '?'}) failed: {message.failed}")

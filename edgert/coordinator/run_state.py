@@ -50,6 +50,10 @@ class RunState:
         group = self.group(stage)
         return (self.order[stage],) if group is None else group.members
 
+    def member_names(self) -> list[tuple[str, ...]]:
+        """The names of the workers holding each stage (a group's members, else its one worker)."""
+        return [tuple(self.known.get(url, "") for url in self.members(k)) for k in range(len(self.order))]
+
     def placed(self) -> list[str]:
         """Every worker holding a stage, stage after stage."""
         return [url for k in range(len(self.order)) for url in self.members(k)]

@@ -120,6 +120,20 @@ def test_a_group_trains_the_same_parameters_as_one_device(mlp, cluster, one_devi
         [[k for k, size in enumerate(layout) if size > 1]]
 
 
+def test_under_async_a_group_trains_as_its_stage_on_one_worker(mlp, cluster, tmp_path):
+    """``async`` steps after every micro-batch with stashed weights, so it is compared with the same three stages
+    on one worker each (one device runs another maths): a 0.6/0.4 group in the last stage changes nothing."""
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3, training=TrainingConfig(learning_rate=0.05)))
+    run(plan, cluster.urls[:3], tmp_path / "plain", "async")
+    members = members_of(cluster.urls, (1, 1, 2))
+    write_groups(plan, members, ((1.0,), (1.0,), (0.6, 0.4)))
+    assert run(plan, [url for group in members for url in group], tmp_path / "run", "async").steps == STEPS
+    difference = largest_relative_difference(parameters(tmp_path / "run", 3), parameters(tmp_path / "plain", 3))
+    print(f"async with a 0.6/0.4 group holding the loss: largest relative parameter difference {difference:.2e}")
+    assert difference < 1e-5
+
+
 def test_a_replan_from_a_group_placement_keeps_the_trained_state(mlp, cluster, one_device, tmp_path):
     """A re-plan forced at step 10 of a run with a 0.7/0.3 group in the middle places one worker per stage (the
     groups shrink away), moving the state from each stage's holder of record: 20 steps still equal one device's."""
