@@ -12,6 +12,8 @@ Map of the package (resources: docs/PROTOCOL.md §9; threads and schedules: docs
 - ``measurement.py``    :class:`Measurement`: /profile (a stage timed here), /probe and /echo (links)
 - ``compute_thread.py`` :class:`ComputeThread`: runs the queued windows, reports steps, sends tensors on
 - ``executor.py``       :class:`StageExecutor`: one window of the schedule, action by action
+- ``joining.py``        :class:`Joining`: ``--join``, offering the worker to a coordinator with bounded backoff
+  until it is accepted or refused
 - ``gate.py``           :class:`StepGate`: holding the pipeline at a step boundary (re-planning)
 - ``inbox.py``          :class:`Inbox`: tensors received, waited for by the compute thread, capped
 - ``outbox.py``         :class:`Outbox`: sends in flight, not waited for; what their failures mean
