@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -78,7 +79,7 @@ class Replanning:
         self._profiling = asyncio.Lock()
         self._ready = False  # start() has made the planner and profiled the first workers: joins are taken
         self._joined: set[str] = set()  # names of the workers that joined while the run went on
-        self._idle_reason: dict[str, str] = {}  # joined worker's name -> why the last check kept it idle
+        self._idle_reason: dict[str, str] = {}  # joined worker's name -> the kind of reason it was last kept idle for
 
     def serve(self, server: TensorServer) -> None:
         """Take in workers that offer themselves (a resource on ``server``)."""
@@ -205,15 +206,14 @@ class Replanning:
         return proposal
 
     def _report_idle(self, decision: str) -> None:
-        """Say why each idle worker that joined stays idle, when the reason is new (both in the log and on
-        the console; the worker is weighed again at the next check)."""
+        """Say why each idle worker that joined stays idle, when the kind of reason is new (its figures aside),
+        in the log and on the console; every check's figures are in its ``placement_check`` event."""
+        reason = decision.removeprefix("keep: ")
+        kind = re.sub(r"[-+]?\d[\d.]*", "#", reason)
         for name in self.idle_workers():
-            if name not in self._joined:
+            if name not in self._joined or self._idle_reason.get(name) == kind:
                 continue
-            reason = decision.removeprefix("keep: ")
-            if self._idle_reason.get(name) == reason:
-                continue
-            self._idle_reason[name] = reason
+            self._idle_reason[name] = kind
             self._log.event("join_kept_idle", worker=name, after_step=self._ledger.completed_through,
                             reason=reason, steps_left=self.steps_left)
             self._progress.message(f"worker {name} (joined) kept idle after step {self._ledger.completed_through}:"
