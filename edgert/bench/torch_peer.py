@@ -82,9 +82,7 @@ def _stage_process(rank: int, run: PeerRun, x: np.ndarray, y: np.ndarray, result
         blocks = _blocks(nn)
         first = sum(run.stage_blocks[:rank])
         module = nn.Sequential(*blocks[first:first + run.stage_blocks[rank]])
-        micro = run.batch_size // run.micro_batches
-        example = torch.zeros(micro, INPUTS if rank == 0 else WIDTH)
-        stage = PipelineStage(module, rank, stages, torch.device("cpu"), input_args=(example,))
+        stage = PipelineStage(module, rank, stages, torch.device("cpu"))  # shapes inferred at the first step
         schedule = Schedule1F1B(stage, run.micro_batches, loss_fn=nn.functional.cross_entropy)
         optimizer = torch.optim.AdamW(module.parameters(), lr=run.learning_rate)
         inputs, labels = torch.from_numpy(x), torch.from_numpy(y)
