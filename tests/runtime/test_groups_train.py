@@ -115,9 +115,11 @@ def test_a_group_trains_the_same_parameters_as_one_device(mlp, cluster, one_devi
     difference = largest_relative_difference(parameters(tmp_path / "run", 3), one_device[schedule])
     print(f"{schedule} {layout} {shares}: largest relative parameter difference {difference:.2e}")
     assert difference < 1e-5
-    assigned = [m for m in read_metrics(tmp_path / "run") if m.get("event") == "stages_assigned"]
-    assert [sorted(map(int, event["groups"])) for event in assigned] == \
+    events = [m for m in read_metrics(tmp_path / "run") if m.get("type") == "event"]
+    assert [sorted(map(int, event["groups"])) for event in events if event["event"] == "stages_assigned"] == \
         [[k for k, size in enumerate(layout) if size > 1]]
+    # the members beyond each group's first hold a stage: not idle workers to weigh at placement checks
+    assert not [event for event in events if event["event"] == "placement_check"]
 
 
 def test_under_async_a_group_trains_as_its_stage_on_one_worker(mlp, cluster, tmp_path):
