@@ -59,10 +59,10 @@ def mlp(tmp_path_factory):
     return folder
 
 
-def run(plan, workers, out, schedule, data="digits"):
+def run(plan, workers, out, schedule, data="digits", memory_mode="recompute"):
     config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, data=data, steps=STEPS,
                          batch_size=64, micro_batches=4, schedule=schedule, listen="coap+tcp://127.0.0.1:0",
-                         progress=False)
+                         progress=False, memory_mode=memory_mode)
     return train(config)
 
 
@@ -120,6 +120,20 @@ def test_a_group_trains_the_same_parameters_as_one_device(mlp, cluster, one_devi
         [[k for k, size in enumerate(layout) if size > 1]]
     # the members beyond each group's first hold a stage: not idle workers to weigh at placement checks
     assert not [event for event in events if event["event"] == "placement_check"]
+
+
+def test_a_group_that_stashes_activations_trains_as_one_device(mlp, cluster, one_device, tmp_path):
+    """``--memory-mode stash``: a member keeps what its forward saved for its own rows; 1f1b, 0.7/0.3 in the
+    middle and 0.5/0.5 holding the loss."""
+    members = members_of(cluster.urls, (1, 2, 2))
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3, training=TrainingConfig(learning_rate=0.05)))
+    write_groups(plan, members, ((1.0,), (0.7, 0.3), (0.5, 0.5)))
+    summary = run(plan, [url for group in members for url in group], tmp_path / "run", "1f1b", memory_mode="stash")
+    assert summary.steps == STEPS
+    difference = largest_relative_difference(parameters(tmp_path / "run", 3), one_device["1f1b"])
+    print(f"stash, 1f1b (1, 2, 2): largest relative parameter difference {difference:.2e}")
+    assert difference < 1e-5
 
 
 def test_under_async_a_group_trains_as_its_stage_on_one_worker(mlp, cluster, tmp_path):
