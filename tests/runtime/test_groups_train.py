@@ -240,6 +240,17 @@ def test_a_run_is_refused_when_the_workers_do_not_match_the_groups(mlp, tmp_path
                                             r"but 3 worker\(s\) were given"):
         train(TrainConfig(plan_dir=plan, workers=tuple(urls[:3]), out_dir=tmp_path / "out",
                           listen="coap+tcp://127.0.0.1:0", progress=False))
+    write_groups(plan, [urls[:1], urls[1:3], urls[3:]], [(1.0,), (0.7, -0.3), (1.0,)])
+    with pytest.raises(TrainingError, match=r"stage 1's group: group shares must be positive numbers: \[0.7, -0.3\]"):
+        train(TrainConfig(plan_dir=plan, workers=tuple(urls), out_dir=tmp_path / "out3",
+                          listen="coap+tcp://127.0.0.1:0", progress=False))
+    placement = json.loads((plan / PLACEMENT_NAME).read_text())
+    placement["stages"][1]["shares"] = [0.5, 0.3, 0.2]
+    (plan / PLACEMENT_NAME).write_text(json.dumps(placement))
+    with pytest.raises(TrainingError, match=r"stage 1 lists 2 device\(s\), 2 URL\(s\) and 3 share\(s\)"):
+        train(TrainConfig(plan_dir=plan, workers=tuple(urls), out_dir=tmp_path / "out4",
+                          listen="coap+tcp://127.0.0.1:0", progress=False))
+    write_groups(plan, [urls[:1], urls[1:3], urls[3:]], [(1.0,), (0.7, 0.3), (1.0,)])
     with pytest.raises(TrainingError, match=r"a micro-batch of 1 sample\(s\) cannot be split across a group of 2"):
         train(TrainConfig(plan_dir=plan, workers=tuple(urls), out_dir=tmp_path / "out2", batch_size=4,
                           micro_batches=4, listen="coap+tcp://127.0.0.1:0", progress=False))
