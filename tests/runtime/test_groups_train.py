@@ -120,6 +120,13 @@ def test_a_group_trains_the_same_parameters_as_one_device(mlp, cluster, one_devi
         [[k for k, size in enumerate(layout) if size > 1]]
     # the members beyond each group's first hold a stage: not idle workers to weigh at placement checks
     assert not [event for event in events if event["event"] == "placement_check"]
+    steps = [m for m in read_metrics(tmp_path / "run") if m.get("type") == "step"]
+    assert len(steps) == STEPS
+    for k, size in enumerate(layout):  # each step line has every member's own times; the last stage scores all rows
+        members = [stage.get("members", []) for line in steps for stage in line["stages"] if stage["stage"] == k]
+        assert all(len(m) == (size if size > 1 else 0) for m in members)
+    if layout[-1] > 1:
+        assert all(sum(m["samples"] for m in line["stages"][-1]["members"]) == 64 for line in steps)
 
 
 def test_a_group_that_stashes_activations_trains_as_one_device(mlp, cluster, one_device, tmp_path):
