@@ -250,6 +250,25 @@ class StageSession:
                 return {n: np.zeros_like(self._values[n]) for n in self._trainable}
             return {n: self._flat.piece(self._gradient, n).copy() for n in self._trainable}
 
+    def gradient_flat(self) -> np.ndarray:
+        """One contiguous copy of the accumulated parameter gradients (zeros before any backward)."""
+        with self.lock:
+            return self._gradient.copy() if self._accumulated else np.zeros_like(self._gradient)
+
+    def replace_gradient(self, flat: np.ndarray) -> None:
+        """Make ``flat`` (laid out as :meth:`gradient_flat`) the accumulated gradients the next :meth:`step` applies."""
+        if flat.shape != self._gradient.shape or flat.dtype != self._gradient.dtype:
+            raise StageError(f"stage {self.entry.index}: gradient of shape {list(flat.shape)} {flat.dtype} does not "
+                             f"match {list(self._gradient.shape)} {self._gradient.dtype}")
+        with self.lock:
+            self._gradient[...] = flat
+            self._accumulated = max(self._accumulated, 1)
+
+    def running_statistics(self) -> dict[str, np.ndarray]:
+        """Copies of the buffers the forward updates (BatchNormalization's running mean and variance), by name."""
+        with self.lock:
+            return {name: self._values[name].copy() for name in self.entry.buffer_updates.values()}
+
     def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite parameters or running statistics by name; unknown names are an error."""
         unknown = [n for n in values if n not in self._values]

@@ -38,6 +38,20 @@ class PlannedStage:
     compute_ms: float
     forward_threads: int
     backward_threads: int
+    # a group (docs/PLANNER.md, "Groups"): every member's device, URL and share, `device` first; empty: `device` alone
+    devices: tuple[str, ...] = ()
+    urls: tuple[str, ...] = ()
+    shares: tuple[float, ...] = ()
+
+    @property
+    def member_urls(self) -> tuple[str, ...]:
+        """The URLs of the workers holding this stage, its holder of record first."""
+        return self.urls or (self.url,)
+
+    @property
+    def member_shares(self) -> tuple[float, ...]:
+        """Each member's share of every micro-batch."""
+        return self.shares or (1.0,)
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,8 @@ class PlannedPlacement:
 
     @property
     def workers(self) -> list[str]:
-        """The ``--workers`` list for ``edgert train``, in stage order."""
-        return [stage.url for stage in self.stages]
+        """The ``--workers`` list for ``edgert train``: every stage's members, in stage order."""
+        return [url for stage in self.stages for url in stage.member_urls]
 
 
 def load_placement(plan_dir: Path) -> PlannedPlacement | None:
@@ -100,15 +114,11 @@ def _plan_and_export(replanner: Replanner, devices, devices_path: Path, out_dir:
 
         problem = replace(problem, allow_groups=True)
     placement = plan(problem)
-    if any(len(stage.devices) > 1 for stage in placement.stages):
-        raise ExportError("the best placement runs a stage on a group of devices, and edgert's runtime does not "
-                          "run data-parallel groups yet: plan with allow_groups=False")
     cuts = [replanner.unit_first_block(u) for u in placement.cut_units()]
     manifest = replanner.build(cuts, out_dir)
     urls = {d.name: d.url for d in devices.devices}
-    stages = tuple(PlannedStage(k, entry.blocks, s.devices[0], urls.get(s.devices[0], ""), round(s.compute_ms, 3),
-                                s.forward_threads[0], s.backward_threads[0])
-                   for k, (entry, s) in enumerate(zip(manifest.stages, placement.stages)))
+    stages = tuple(_planned_stage(k, entry.blocks, s, urls) for k, (entry, s) in enumerate(zip(manifest.stages,
+                                                                                              placement.stages)))
     result = PlannedPlacement(stages=stages, link_codecs=tuple(placement.link_codecs),
                               link_ms=tuple(round(v, 3) for v in placement.link_ms),
                               bottleneck_ms=round(placement.bottleneck_ms, 3),
@@ -117,6 +127,16 @@ def _plan_and_export(replanner: Replanner, devices, devices_path: Path, out_dir:
                               batch_size=batch_size, micro_batches=micro_batches, memory_mode=memory_mode)
     (out_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return manifest, result
+
+
+def _planned_stage(index: int, blocks: tuple[str, ...], stage, urls: dict[str, str]) -> PlannedStage:
+    """One stage of the planner's placement as placement.json holds it; a group lists every member."""
+    first = stage.devices[0]
+    group = {} if len(stage.devices) == 1 else {
+        "devices": tuple(stage.devices), "urls": tuple(urls.get(d, "") for d in stage.devices),
+        "shares": tuple(round(float(share), 6) for share in stage.shares)}
+    return PlannedStage(index, blocks, first, urls.get(first, ""), round(stage.compute_ms, 3),
+                        stage.forward_threads[0], stage.backward_threads[0], **group)
 
 
 def _whole_model_plan(model_path: Path, folder: Path, training: TrainingConfig) -> Manifest:

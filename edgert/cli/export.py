@@ -184,9 +184,11 @@ def _analysis_json(analysis) -> dict:
 @click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=RunSettings.memory_mode, show_default=True)
 @click.option("--lr", "learning_rate", type=float, default=TrainingConfig.learning_rate, show_default=True)
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=TrainingConfig.optimizer, show_default=True)
+@click.option("--groups", "allow_groups", is_flag=True,
+              help="Let a stage run on a group of devices that split each micro-batch, where that pays.")
 @click.option("--json", "as_json", is_flag=True, help="Print placement.json's content.")
 def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int, micro_batches: int, schedule: str,
-                 memory_mode: str, learning_rate: float, optimizer: str, as_json: bool) -> None:
+                 memory_mode: str, learning_rate: float, optimizer: str, allow_groups: bool, as_json: bool) -> None:
     require_host_extra("plan")
     from dataclasses import asdict
 
@@ -194,17 +196,25 @@ def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int
 
     training = TrainingConfig(optimizer=optimizer, learning_rate=learning_rate)
     _, placement = plan_for_devices(model, devices_path, out_dir, training, batch_size, micro_batches, schedule,
-                                    memory_mode)
+                                    memory_mode, allow_groups)
     if as_json:
         click.echo(json.dumps(asdict(placement)))
         return
-    rows = [(s.index, s.device, f"{s.blocks[0]} .. {s.blocks[-1]} ({len(s.blocks)})", f"{s.compute_ms:.2f}",
+    rows = [(s.index, _devices_of(s), f"{s.blocks[0]} .. {s.blocks[-1]} ({len(s.blocks)})", f"{s.compute_ms:.2f}",
              placement.link_codecs[s.index] if s.index < len(placement.link_codecs) else "")
             for s in placement.stages]
-    click.echo(format_table(["stage", "device", "blocks", "predicted ms/micro-batch", "codec to next"], rows))
+    click.echo(format_table(["stage", "device (a group: shares)", "blocks", "predicted ms/micro-batch",
+                             "codec to next"], rows))
     click.echo(f"bottleneck {placement.bottleneck_ms:.2f} ms per micro-batch; predicted step "
                f"{placement.predicted_step_ms:.1f} ms ({placement.schedule}, {placement.micro_batches} micro-batches)")
     if placement.unused_devices:
         click.echo(f"not used (they would slow the pipeline): {', '.join(placement.unused_devices)}")
     click.echo(f"train with: edgert train {out_dir} --workers {','.join(placement.workers)} "
                f"--schedule {schedule} --micro-batches {micro_batches} --memory-mode {memory_mode}")
+
+
+def _devices_of(stage) -> str:
+    """A stage's device, or its group's devices with their shares: ``pi-1 0.62 + pi-2 0.38``."""
+    if not stage.devices:
+        return stage.device
+    return " + ".join(f"{device} {share:.2f}" for device, share in zip(stage.devices, stage.shares))

@@ -5,6 +5,8 @@ serves the resources that touch it; what they share is a :class:`RunState`):
 
 - ``coordinator.py``   :class:`TrainConfig`, :class:`Coordinator`: the run loop (connect, assign, train,
   evaluate, release) and ``POST /report``; ``train()``, ``resumed_config()``
+- ``stage_groups.py``  :func:`place_workers`, :func:`member_rows`: stages held by groups (placement.json), each
+  member's rows of a batch
 - ``run_state.py``     :class:`RunState`: what the parts share (run id, placement, known workers), and who writes it
 - ``segments.py``      :func:`next_segment`, :class:`SegmentRunner`: announce a segment (``/run``), feed its
   steps' data ahead, hold and truncate it for a re-plan

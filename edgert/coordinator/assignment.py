@@ -21,6 +21,7 @@ from pathlib import Path
 
 from edgert.coordinator.errors import AssignmentError
 from edgert.exporter.device_plan import PLACEMENT_NAME, load_placement
+from edgert.groups import StageGroup
 from edgert.manifest import Manifest, TrainingConfig
 from edgert.protocol import MIGRATE, SELF, STAGE, MigrateRequest, MigrationSource, Peers, StageAssignment
 from edgert.run_settings import RunSettings
@@ -62,30 +63,39 @@ class Migration:
 
 
 async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str],
-                 briefing: RunBriefing) -> tuple[LinkCodecs, ...]:
-    """Send stage ``k`` of ``manifest`` to worker ``order[k]``, all at once; the codecs each link was given."""
+                 briefing: RunBriefing, groups: list[StageGroup | None] | None = None) -> tuple[LinkCodecs, ...]:
+    """Send stage ``k`` of ``manifest`` to worker ``order[k]`` (to every member of ``groups[k]``, when a group
+    holds it), all at once; the codecs each link was given."""
     stages = len(manifest.stages)
     links = link_codecs(plan_dir, stages, briefing)
+    grouped = list(groups or [None] * stages)
 
-    async def one(k: int) -> None:
+    def members(k: int) -> tuple[str, ...]:
+        return (order[k],) if grouped[k] is None else grouped[k].members
+
+    async def one(k: int, member: int) -> None:
         entry = manifest.stages[k]
         first, last = k == 0, k + 1 == stages
+        url = members(k)[member]
         peers = Peers(previous=None if first else order[k - 1], next=None if last else order[k + 1],
                       coordinator=briefing.coordinator_url, previous_name=None if first else names[k - 1],
                       next_name=None if last else names[k + 1], next_codec=None if last else links[k].forward,
-                      previous_codec=None if first else links[k - 1].backward)
+                      previous_codec=None if first else links[k - 1].backward,
+                      previous_group=None if first else grouped[k - 1], next_group=None if last else grouped[k + 1])
+        replicas = ring_neighbours(order, k, briefing.replicas) if member == 0 else ()  # the holder's copies only
         assignment = StageAssignment(run_id=briefing.run_id, entry=entry, stages=stages, peers=peers,
-                                     settings=briefing.settings,
-                                     replica_targets=ring_neighbours(order, k, briefing.replicas))
+                                     settings=briefing.settings, replica_targets=replicas, group=grouped[k],
+                                     member=member)
         try:
             envelope = assignment.to_envelope(assignment.read_files(plan_dir))
             if briefing.signing is not None:
                 briefing.signing.apply(envelope)
-            await client.request("PUT", order[k], STAGE, envelope, timeout=120.0)
+            await client.request("PUT", url, STAGE, envelope, timeout=120.0)
         except TransportError as error:
-            raise AssignmentError(f"worker {names[k]} ({order[k]}) refused stage {k}: {error}") from None
+            who = names[k] if member == 0 else f"member {member} of stage {k}'s group"
+            raise AssignmentError(f"worker {who} ({url}) refused stage {k}: {error}") from None
 
-    await asyncio.gather(*(one(k) for k in range(stages)))
+    await asyncio.gather(*(one(k, j) for k in range(stages) for j in range(len(members(k)))))
     return links
 
 

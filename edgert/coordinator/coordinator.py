@@ -38,6 +38,7 @@ from edgert.coordinator.run_summary import RunSummary, joined_workers, summarise
 from edgert.coordinator.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
 from edgert.coordinator.segments import SegmentRunner, next_segment
 from edgert.coordinator.snapshots import CentralCopies
+from edgert.coordinator.stage_groups import check_splittable, place_workers, planned_shares
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, TrainingConfig, load_manifest
 from edgert.protocol import HEALTH, REPORT, STOP, Health
@@ -120,16 +121,20 @@ class Coordinator:
         if not config.resume:  # before anything is loaded: a folder holding another run is refused at once
             claim_run_folder(config.out_dir, config.overwrite)
         manifest = load_manifest(config.plan_dir)
-        if len(config.workers) != len(manifest.stages) and not config.resume:
-            raise TrainingError(f"the plan has {len(manifest.stages)} stages but {len(config.workers)} "
-                                f"worker(s) were given; give one --workers URL per stage")
+        if config.resume:
+            if any(len(shares) > 1 for shares in planned_shares(config.plan_dir, len(manifest.stages))):
+                raise TrainingError(f"{config.plan_dir}: resuming a run whose plan has groups is not supported yet")
+            order, groups = list(config.workers), []
+        else:
+            order, groups = place_workers(list(config.workers), planned_shares(config.plan_dir, len(manifest.stages)))
+            check_splittable(groups, config.batch_size, config.micro_batches, config.schedule)
         if config.resume:
             saved = read_run_file(config.out_dir)
             # a run folder written before runs had their own ids is named by its folder
             run_id, self.started = str(saved.get("run_id") or config.out_dir.name), saved.get("started")
         else:
             run_id, self.started = new_run_id(), time.time()
-        self.state = RunState(run_id, manifest, config.plan_dir, list(config.workers))
+        self.state = RunState(run_id, manifest, config.plan_dir, order, groups=groups)
         self.dataset = load_training_data(config.data, manifest, config.seed)
         self.security = None
         if config.keys is not None:
@@ -241,6 +246,9 @@ class Coordinator:
         healths = await asyncio.gather(*(probe(url) for url in self.config.workers))
         state.known = {url: h.name for url, h in zip(self.config.workers, healths)}
         state.names = [state.known[url] for url in state.order]
+        if any(group is not None for group in state.groups):  # the groups learn their members' names (TLS)
+            shares = [state.group(k).shares if state.group(k) else (1.0,) for k in range(len(state.order))]
+            state.order, state.groups = place_workers(state.placed(), shares, state.known)
         log.info("workers: %s", ", ".join(f"{n} ({u})" for u, n in state.known.items()))
 
     async def _remember_joined(self) -> None:
@@ -301,12 +309,14 @@ class Coordinator:
         started = time.perf_counter()
         try:
             links = await assign(self.client, state.manifest, state.plan_dir, state.order, state.names,
-                                 state.settings)
+                                 state.settings, state.groups)
         except EdgertError as error:
             raise TrainingError(str(error)) from None
-        self.ledger.configure(state.names)
+        self.ledger.configure(state.names, [len(state.members(k)) for k in range(len(state.order))])
+        groups = {k: {"workers": [state.known[url] for url in group.members], "shares": list(group.shares)}
+                  for k, group in enumerate(state.groups) if group is not None}
         self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=state.names,
-                       cuts=list(state.manifest.cuts))
+                       cuts=list(state.manifest.cuts), **({"groups": groups} if groups else {}))
         self.log.event("links", links=links_record(state.names, links))
 
     async def _release_workers(self) -> None:
@@ -357,7 +367,7 @@ class Coordinator:
         await self.evaluation.settle()
 
     async def _on_report(self, request: Request) -> None:
-        message = read_report(request, self.state.run_id, self.state.names)
+        message = read_report(request, self.state.run_id, self.state.names, self.state.member_names())
         worker = message.worker if request.identity is None else request.identity.name
         if message.failed is not None:
             self.ledger.fail(f"stage {message.stage} ({worker or '?'}) failed: {message.failed}")

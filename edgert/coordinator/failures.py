@@ -181,7 +181,7 @@ class FailureDetector:
     async def _probe(self) -> None:
         """A step is late or a stage failed: a worker that does not answer has failed, else the stage's failure
         ends the run."""
-        dead = await dead_among(self._client, self._state.order)
+        dead = await dead_among(self._client, self._state.placed())
         if dead:
             self.notice(dead, time.monotonic())
             raise self.failure()

@@ -27,24 +27,33 @@ def check_run(envelope: Envelope, run_id: str, what: str) -> None:
         raise BadRequest(f"{what} of run {envelope.run_id!r}; this is run {run_id!r}")
 
 
-def sender(request: Request, stage: int, names: list[str], what: str) -> str:
+def sender(request: Request, stage: int, names: list[str], what: str,
+           members: list[tuple[str, ...]] | None = None) -> str:
     """Who sent ``what`` about ``stage``: the credential's name over TLS, which must be the name of the
-    worker the stage is assigned to (4.03 otherwise); on plaintext, the sender's address."""
+    worker the stage is assigned to, or of a member of its group where ``members`` (each stage's workers'
+    names) is given (4.03 otherwise); on plaintext, the sender's address."""
     if not 0 <= stage < len(names):
         raise BadRequest(f"{what} of stage {stage}; the plan has stages 0 to {len(names) - 1}")
     if request.identity is None:
         return request.peer
+    if members is not None and stage < len(members) and len(members[stage]) > 1:
+        if request.identity.name not in members[stage]:
+            raise Forbidden(f"{what} of stage {stage} comes only from its group's workers {list(members[stage])}, "
+                            f"not {request.identity}")
+        return request.identity.name
     if request.identity.name != names[stage]:
         raise Forbidden(f"{what} of stage {stage} comes only from its worker {names[stage]!r}, "
                         f"not {request.identity}")
     return request.identity.name
 
 
-def read_report(request: Request, run_id: str, names: list[str]) -> StageReports:
-    """A ``POST /report`` of this run, of a stage of the plan, from its worker (see :func:`sender`)."""
+def read_report(request: Request, run_id: str, names: list[str],
+                members: list[tuple[str, ...]] | None = None) -> StageReports:
+    """A ``POST /report`` of this run, of a stage of the plan, from its worker or a member of its group (see
+    :func:`sender`)."""
     check_run(request.envelope, run_id, "a report")
     message = read_request(StageReports.from_envelope, request.envelope)
-    sender(request, message.stage, names, "a report")
+    sender(request, message.stage, names, "a report", members)
     return message
 
 

@@ -8,6 +8,7 @@ its metrics line is written, the trace gets its spans, and whoever waits on the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -48,7 +49,8 @@ class StepLedger:
         self.failure: str | None = None
         self.completed_through = -1  # the newest completed step (-1: none)
         self.done_through = -1  # the newest step the model has taken: completed, or in a snapshot
-        self._pending: dict[int, dict[int, StepReport]] = {}
+        self.members: list[int] = []  # workers holding each stage: a group's members each report
+        self._pending: dict[int, dict[int, list[tuple[str, StepReport]]]] = {}  # step -> stage -> (worker, report)
         self._meta: dict[int, tuple[int, int]] = {}  # step -> (epoch, samples)
         self._events: dict[int, asyncio.Event] = {}
         self._last_finish: float | None = None
@@ -56,9 +58,11 @@ class StepLedger:
         self.placement = 0
         self.segment_started_s = 0.0
 
-    def configure(self, names: list[str]) -> None:
-        """The workers (by stage) of the steps expected from now on: a new placement."""
+    def configure(self, names: list[str], members: list[int] | None = None) -> None:
+        """The workers (by stage: the holders of record) of the steps expected from now on, and how many
+        workers hold each stage (``members``; one each when not given): a new placement."""
         self.stages, self.names = len(names), list(names)
+        self.members = list(members or [1] * len(names))
         self.placement += 1
 
     def expect(self, step: int, epoch: int, samples: int) -> None:
@@ -73,12 +77,16 @@ class StepLedger:
 
     def add(self, report: StepReport, worker: str) -> None:
         received = self._pending.get(report.step)
-        if received is None or report.stage in received:
-            return  # a retried delivery, or a step that is already complete
-        received[report.stage] = report
+        if received is None or not 0 <= report.stage < self.stages:
+            return  # a step that is already complete (or forgotten)
+        parts = received.setdefault(report.stage, [])
+        if any(name == worker for name, _ in parts) or len(parts) >= self.members[report.stage]:
+            return  # a retried delivery
+        parts.append((worker, report))
         self.log.spans(report.stage, worker, report.spans)
-        if len(received) == self.stages:
-            self._complete(report.step, received)
+        if all(len(received.get(k, ())) == self.members[k] for k in range(self.stages)):
+            self._complete(report.step, {k: merged([r for _, r in parts]) for k, parts in received.items()},
+                           {k: parts for k, parts in received.items() if len(parts) > 1})
 
     async def wait(self, step: int, timeout: float) -> bool:
         """Wait for ``step``; False on timeout. A failure releases every waiter."""
@@ -128,7 +136,9 @@ class StepLedger:
                 event.set()
 
     def missing(self, step: int) -> list[int]:
-        return [k for k in range(self.stages) if k not in self._pending.get(step, {})]
+        """The stages some of whose workers have not reported ``step``."""
+        received = self._pending.get(step, {})
+        return [k for k in range(self.stages) if len(received.get(k, ())) < self.members[k]]
 
     def begin_segment(self) -> float:
         """A segment of steps starts now; returns its start as a ``time_s``. Its steps' lines carry it,
@@ -140,7 +150,8 @@ class StepLedger:
         """After a pause (evaluation, re-plan), the next step's time starts from its own start."""
         self._last_finish = None
 
-    def _complete(self, step: int, reports: dict[int, StepReport]) -> None:
+    def _complete(self, step: int, reports: dict[int, StepReport],
+                  groups: dict[int, list[tuple[str, StepReport]]]) -> None:
         epoch, samples = self._meta.pop(step)
         last = reports[self.stages - 1]
         finished = max(r.finished for r in reports.values())
@@ -158,6 +169,13 @@ class StepLedger:
                            "slowdown_ms": round(r.slowdown_ms, 3)})
             if r.replicated_bytes:  # the steps after which this stage sent its copies
                 stages[-1].update(replication_ms=round(r.replication_ms, 3), replicated_bytes=r.replicated_bytes)
+            if k in groups:  # a group's stage: its times are the slowest member's; each member's own
+                stages[-1]["members"] = [{"worker": worker, "samples": part.samples,
+                                          "forward_ms": round(part.forward_ms, 3),
+                                          "backward_ms": round(part.backward_ms, 3),
+                                          "optimizer_ms": round(part.optimizer_ms, 3),
+                                          "idle_ms": round(part.idle_ms, 3)}
+                                         for worker, part in sorted(groups[k], key=lambda item: item[0])]
         record = StepRecord(step, epoch, samples, loss, accuracy, elapsed * 1000, stages, self.placement)
         self.completed_through = max(self.completed_through, step)
         self.done_through = max(self.done_through, step)
@@ -205,3 +223,18 @@ class StepLedger:
     def median_step_ms(self, last: int) -> float:
         window = self._window(last)
         return statistics.median(r.step_ms for r in window) if window else 0.0
+
+
+def merged(reports: list[StepReport]) -> StepReport:
+    """One stage's report of a step from its group members' (one report: itself): samples, losses and correct
+    answers add up; each time is the slowest member's; started the earliest, finished the latest."""
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    correct = [r.correct for r in reports if r.correct is not None]
+    times = ("forward_ms", "backward_ms", "optimizer_ms", "idle_ms", "send_ms", "slowdown_ms", "replication_ms")
+    return dataclasses.replace(
+        first, samples=sum(r.samples for r in reports), loss_sum=sum(r.loss_sum for r in reports),
+        correct=sum(correct) if correct else None, started=min(r.started for r in reports),
+        finished=max(r.finished for r in reports), replicated_bytes=sum(r.replicated_bytes for r in reports),
+        **{name: max(getattr(r, name) for r in reports) for name in times})

@@ -112,7 +112,9 @@ class Replanning:
         shifted = auto and self._ledger.speed_changed()
         # right after a re-plan, the new placement's own times (not the old ones) are checked soon
         recheck = auto and self._recheck and self._since_check > SHIFT_WINDOW
-        periodic = (auto or bool(self.idle_workers())) and self._since_check >= config.replan_every
+        # the re-planner costs one worker a stage: a placement with groups is not weighed against idle workers
+        weigh_idle = bool(self.idle_workers()) and not any(self._state.groups)
+        periodic = (auto or weigh_idle) and self._since_check >= config.replan_every
         if not (periodic or shifted or recheck or self._membership_changed):
             return None
         self._since_check, self._membership_changed, self._recheck = 0, False, False
@@ -122,7 +124,7 @@ class Replanning:
     def idle_workers(self) -> list[str]:
         """The names of the known workers that hold no stage (joined, or left out by a re-plan)."""
         state = self._state
-        return [name for url, name in state.known.items() if url not in state.order]
+        return [name for url, name in state.known.items() if url not in state.placed()]
 
     @property
     def steps_left(self) -> int:

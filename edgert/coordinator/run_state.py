@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgert.coordinator.assignment import RunBriefing
+from edgert.groups import StageGroup
 from edgert.manifest import Manifest
 
 
@@ -32,10 +33,30 @@ class RunState:
     known: dict[str, str] = field(default_factory=dict)  # worker URL -> name: every worker, idle ones too
     announced_through: int = -1  # the last step of the segments sent to the workers (copies come after)
     settings: RunBriefing | None = None  # what every stage assignment of this run carries
+    groups: list[StageGroup | None] = field(default_factory=list)  # each stage's group (None: ``order[k]`` alone)
 
     def place(self, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str]) -> None:
-        """The cuts moved: ``manifest``'s stages (built in ``plan_dir``) run on ``order``, named ``names``."""
+        """The cuts moved: ``manifest``'s stages (built in ``plan_dir``) run on ``order``, named ``names``, one
+        worker per stage."""
         self.manifest, self.plan_dir, self.order, self.names = manifest, plan_dir, order, list(names)
+        self.groups = []
+
+    def group(self, stage: int) -> StageGroup | None:
+        """The group holding ``stage`` (None: its worker ``order[stage]`` alone)."""
+        return self.groups[stage] if stage < len(self.groups) else None
+
+    def members(self, stage: int) -> tuple[str, ...]:
+        """The URLs of the workers holding ``stage``, its holder of record first."""
+        group = self.group(stage)
+        return (self.order[stage],) if group is None else group.members
+
+    def member_names(self) -> list[tuple[str, ...]]:
+        """The names of the workers holding each stage (a group's members, else its one worker)."""
+        return [tuple(self.known.get(url, "") for url in self.members(k)) for k in range(len(self.order))]
+
+    def placed(self) -> list[str]:
+        """Every worker holding a stage, stage after stage."""
+        return [url for k in range(len(self.order)) for url in self.members(k)]
 
     def urls_by_name(self) -> dict[str, str]:
         """Each known worker's URL, by its name."""

@@ -21,9 +21,10 @@ from edgert.coordinator.failures import FailureDetector
 from edgert.coordinator.ledger import StepLedger
 from edgert.coordinator.replanning import Replanning
 from edgert.coordinator.run_state import RunState
+from edgert.coordinator.stage_groups import member_rows
 from edgert.models.datasets import Dataset
 from edgert.protocol import BATCH, INBOX_CAPACITY, MAX_SEGMENT_STEPS, RUN, Segment, hold_envelope, truncate_envelope
-from edgert.schedule import Schedule, steps_ahead
+from edgert.schedule import Schedule, split_batch, steps_ahead
 from edgert.transport import Envelope, TensorClient
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class SegmentRunner:
             self._ledger.expect(batch.step, batch.epoch, len(batch.indices))
         envelope = segment.to_envelope(state.run_id)
         state.announced_through = max(state.announced_through, segment.last_step)
-        await asyncio.gather(*(self._client.send(url, RUN, envelope) for url in state.order))
+        await asyncio.gather(*(self._client.send(url, RUN, envelope) for url in state.placed()))
 
     async def _replan_now(self, proposal: Proposal, plan: list[Batch], in_flight: deque[int]) -> int:
         """Stop the pipeline after the latest step any stage has committed (run a backward or an
@@ -122,11 +123,11 @@ class SegmentRunner:
         """
         state = self._state
         replies = await asyncio.gather(*(self._client.send(url, RUN, hold_envelope(state.run_id))
-                                         for url in state.order))
+                                         for url in state.placed()))
         committed = max(int(reply.envelope().meta.get("committed", -1)) for reply in replies)
         last = max(committed, self._ledger.completed_through, plan[0].step - 1)
         await asyncio.gather(*(self._client.send(url, RUN, truncate_envelope(state.run_id, last))
-                               for url in state.order))
+                               for url in state.placed()))
         for step in in_flight:
             if step <= last:
                 await self._failures.wait_step(step)
@@ -136,12 +137,19 @@ class SegmentRunner:
         return last + 1 - plan[0].step
 
     async def _send_batch(self, batch: Batch) -> None:
-        """The step's inputs to the first stage and labels to the last: one message each (one in all)."""
-        state = self._state
-        inputs = {state.manifest.model_input[0].name: np.ascontiguousarray(self._dataset.x_train[batch.indices])}
-        labels = {state.manifest.labels[0].name: np.ascontiguousarray(self._dataset.y_train[batch.indices])}
-        first, last = state.order[0], state.order[-1]
-        messages = [(first, inputs), (last, labels)] if len(state.order) > 1 else [(first, {**inputs, **labels})]
+        """The step's inputs to the first stage and labels to the last: one message each (one in all); to a
+        group, each member the rows it owns of every micro-batch (edgert/groups.py)."""
+        state, config = self._state, self._config
+        inputs = state.manifest.model_input[0].name, self._dataset.x_train[batch.indices]
+        labels = state.manifest.labels[0].name, self._dataset.y_train[batch.indices]
+        sizes = [config.batch_size] if config.schedule == Schedule.ASYNC else \
+            [m.size for m in split_batch(batch.step, config.batch_size, config.micro_batches)]
+        messages: dict[str, dict[str, np.ndarray]] = {}
+        last = len(state.order) - 1
+        for stage, (name, values) in ((0, inputs), (last, labels)):
+            for member, url in enumerate(state.members(stage)):
+                rows = member_rows(state.group(stage), member, sizes)
+                messages.setdefault(url, {})[name] = np.ascontiguousarray(values[rows])
         await asyncio.gather(*(self._client.send(url, BATCH, Envelope(kind="batch", run_id=state.run_id,
                                                                       step=batch.step, tensors=tensors))
-                               for url, tensors in messages))
+                               for url, tensors in messages.items()))

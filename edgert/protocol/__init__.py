@@ -8,7 +8,8 @@ tensors in ``tensors``.
 Worker resources: ``/health`` (GET, observable), ``/stage`` (PUT: take a stage),
 ``/run`` (POST: run a segment of steps under a schedule), ``/batch`` (POST: a step's
 inputs or labels from the coordinator), ``/act`` ``/grad`` (POST: tensors of a micro-batch
-from a neighbour), ``/weights`` (GET/PUT: state by name), ``/stop`` (POST: abandon the
+from a neighbour, or of a neighbouring group member's rows of it), ``/groupgrad`` (POST: a group member's
+gradients for the others), ``/weights`` (GET/PUT: state by name), ``/stop`` (POST: abandon the
 current run). Coordinator resources: ``/report`` (POST: step reports, :class:`StageReports`),
 ``/replica`` (PUT: central copies), ``/join`` (POST: :class:`JoinRequest`), ``/weights``
 (FETCH: :class:`WeightsQuery` with ``copy_step``).
@@ -41,6 +42,8 @@ from edgert.protocol.resources import (
     DATA_KINDS,
     ECHO,
     GRAD,
+    GROUP_GRAD,
+    GROUP_GRAD_KIND,
     HEALTH,
     INBOX_CAPACITY,
     JOIN,
@@ -82,6 +85,8 @@ __all__ = [
     "DATA_KINDS",
     "ECHO",
     "GRAD",
+    "GROUP_GRAD",
+    "GROUP_GRAD_KIND",
     "HEALTH",
     "Health",
     "Hold",

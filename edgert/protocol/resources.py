@@ -22,6 +22,9 @@ ACT, GRAD, LABELS = "act", "grad", "labels"
 DATA_KINDS = {ACT: "activations", GRAD: "gradients"}
 
 
+GROUP_GRAD, GROUP_GRAD_KIND = "groupgrad", "group_gradients"  # a group member's gradients for its peers
+
+
 SELF = "self"  # a migration source meaning "the state this worker held itself"
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from edgert.errors import ProtocolError
+from edgert.groups import StageGroup, StageRouting, single
 from edgert.manifest import ArtifactFile, StageEntry, needed_roles
 from edgert.protocol.resources import (
     CRL,
@@ -36,6 +37,8 @@ class Peers:
     next_name: str | None = None
     next_codec: str | None = field(default=None, metadata=CODEC)  # activations to ``next``; None: the run's
     previous_codec: str | None = field(default=None, metadata=CODEC)  # gradients to ``previous``; None: the run's
+    previous_group: StageGroup | None = None  # the previous stage's members and shares; None: ``previous`` alone
+    next_group: StageGroup | None = None  # the next stage's members and shares; None: ``next`` alone
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,21 @@ class StageAssignment:
     settings: RunSettings
     replica_targets: tuple[str, ...] = field(default=(), metadata=satisfies(
         lambda urls: all(is_url(u) for u in urls), "must be worker URLs"))
+    group: StageGroup | None = None  # the workers holding this stage with their shares; None: this one alone
+    member: int = field(default=0, metadata=at_least(0))  # this worker's index in ``group``
+
+    @property
+    def routing(self) -> StageRouting:
+        """Which rows of each micro-batch this worker owns, receives and sends (edgert/groups.py)."""
+        peers = self.peers
+        return StageRouting(self.group, self.member, peers.previous_group or single(peers.previous),
+                            peers.next_group or single(peers.next))
+
+    @property
+    def holder(self) -> bool:
+        """Whether this worker is its stage's holder of record (its group's first member): the one whose
+        state is replicated and copied to the coordinator."""
+        return self.member == 0
 
     @property
     def forward_codec(self) -> str:
@@ -98,12 +116,26 @@ class StageAssignment:
         if envelope.stage != entry.index or entry.index >= assignment.stages:
             raise ProtocolError(f"stage assignment: envelope stage {envelope.stage}, entry index {entry.index} and "
                                 f"{assignment.stages} stages do not agree")
+        check_groups(assignment)
         files = {}
         for role, array in envelope.tensors.items():
             if array.dtype != np.uint8 or array.ndim != 1:
                 raise ProtocolError(f"stage assignment: file {role!r} must be a 1-D uint8 tensor")
             files[role] = array.tobytes()
         return assignment, files
+
+
+def check_groups(assignment: StageAssignment) -> None:
+    """The groups must agree with the peers: ``member`` indexes ``group``, and a neighbour's group holds the
+    neighbour ``peers`` names (its holder of record) and exists only where that neighbour does."""
+    group, peers = assignment.group, assignment.peers
+    size = 1 if group is None else group.size
+    if assignment.member >= size:
+        raise ProtocolError(f"stage assignment: member {assignment.member} of a group of {size}")
+    for link in ("previous", "next"):
+        url, neighbours = getattr(peers, link), getattr(peers, f"{link}_group")
+        if neighbours is not None and (not url or url != neighbours.members[0]):
+            raise ProtocolError(f"stage assignment: peers.{link} {url!r} must be peers.{link}_group's first member")
 
 
 @dataclass(frozen=True)

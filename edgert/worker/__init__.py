@@ -6,12 +6,16 @@ Map of the package (resources: docs/PROTOCOL.md §9; threads and schedules: docs
   the coordinator's commands (/run, /stop, /health), wires the parts below
 - ``current_stage.py``  :class:`CurrentStage`: the stage installed, the segments announced, the health;
   what the parts share
-- ``inputs.py``         :class:`StageInputs`: the inbox and /batch, /act, /grad, checked before it sees them
+- ``inputs.py``         :class:`StageInputs`: the inbox and /batch, /act, /grad, /groupgrad, checked before it
+  sees them
 - ``stage_weights.py``  :class:`StageWeights`: the stage's state by name (/weights), copies sent to and
   kept for peers (/replica), state taken over from others (/migrate)
 - ``measurement.py``    :class:`Measurement`: /profile (a stage timed here), /probe and /echo (links)
 - ``compute_thread.py`` :class:`ComputeThread`: runs the queued windows, reports steps, sends tensors on
-- ``executor.py``       :class:`StageExecutor`: one window of the schedule, action by action
+- ``executor.py``       :class:`StageExecutor`: one window of the schedule, action by action (in a group:
+  its rows only)
+- ``group_exchange.py`` :class:`GroupExchange`: a group's gradients (and running statistics) combined before
+  every optimizer step (/groupgrad)
 - ``joining.py``        :class:`Joining`: ``--join``, offering the worker to a coordinator with bounded backoff
   until it is accepted or refused
 - ``gate.py``           :class:`StepGate`: holding the pipeline at a step boundary (re-planning)

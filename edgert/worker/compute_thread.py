@@ -20,9 +20,20 @@ from collections.abc import Callable
 import numpy as np
 
 from edgert.errors import EdgertError
-from edgert.protocol import ACT, DATA_KINDS, GRAD, REPORT, Segment, StepReport, failure_envelope, reports_to_envelope
+from edgert.protocol import (
+    ACT,
+    DATA_KINDS,
+    GRAD,
+    GROUP_GRAD,
+    GROUP_GRAD_KIND,
+    REPORT,
+    Segment,
+    StepReport,
+    failure_envelope,
+    reports_to_envelope,
+)
 from edgert.schedule import Key, Window
-from edgert.transport import Codec, Envelope
+from edgert.transport import Codec, Envelope, get_codec
 from edgert.worker.current_stage import CurrentStage
 from edgert.worker.errors import InboxAborted
 from edgert.worker.outbox import Outbox
@@ -44,6 +55,7 @@ class ComputeThread:
         self._unsent_reports: list[StepReport] = []
         self._last_report = 0.0
         self._codecs: dict[str, Codec] = {}
+        self._piece_codecs: dict[tuple[str, str], Codec] = {}  # (path, receiver) -> its own copy of the link's codec
         self._thread: threading.Thread | None = None
 
     # -- driven from the transport loop ------------------------------------------------------
@@ -57,6 +69,7 @@ class ComputeThread:
         "backward": its incoming link's gradients); no report is left of the previous one."""
         self._unsent_reports = []
         self._codecs = codecs
+        self._piece_codecs = {}
 
     def queue_segment(self, segment: Segment) -> None:
         """Run ``segment``'s windows after those already queued."""
@@ -156,13 +169,45 @@ class ComputeThread:
     def _report(self, envelope: Envelope) -> None:
         self._outbox.submit(self._current.assignment.peers.coordinator, REPORT, envelope, None, must_arrive=False)
 
-    def send_forward(self, key: Key, tensors: dict[str, np.ndarray]) -> None:
-        """Send a micro-batch's activations to the next stage (the executor's forward output)."""
+    def send_forward(self, key: Key, tensors: dict[str, np.ndarray], rows: int | None = None) -> None:
+        """Send a micro-batch's activations to the next stage (the executor's forward output); with ``rows``
+        (the micro-batch's size) each row piece goes to the next stage's member that owns those rows."""
+        if rows is not None:
+            self._send_pieces("next", ACT, key, tensors, rows, +1, self._codecs["forward"])
+            return
         self._send_data(self._current.assignment.peers.next, ACT, key, tensors, +1, self._codecs["forward"])
 
-    def send_backward(self, key: Key, tensors: dict[str, np.ndarray]) -> None:
-        """Send a micro-batch's gradients to the previous stage (the executor's backward output)."""
+    def send_backward(self, key: Key, tensors: dict[str, np.ndarray], rows: int | None = None) -> None:
+        """Send a micro-batch's gradients to the previous stage (the executor's backward output); with ``rows``,
+        by row piece to the previous stage's members, as :meth:`send_forward`."""
+        if rows is not None:
+            self._send_pieces("previous", GRAD, key, tensors, rows, -1, self._codecs["backward"])
+            return
         self._send_data(self._current.assignment.peers.previous, GRAD, key, tensors, -1, self._codecs["backward"])
+
+    def send_group(self, step: int, tensors: dict[str, np.ndarray]) -> None:
+        """Send this member's gradients of ``step`` to the other members of its group (raw fp32)."""
+        assignment = self._current.assignment
+        envelope = Envelope(kind=GROUP_GRAD_KIND, run_id=assignment.run_id, step=step, stage=assignment.entry.index,
+                            tensors=tensors, meta={"member": assignment.member})
+        for j, url in enumerate(assignment.group.members):
+            if j != assignment.member:
+                self._outbox.submit(url, GROUP_GRAD, envelope, None)
+
+    def _send_pieces(self, link: str, path: str, key: Key, tensors: dict[str, np.ndarray], rows: int, direction: int,
+                     codec: Codec) -> None:
+        """Each neighbour member its rows of this worker's part of the micro-batch, with ``meta.row``: the
+        piece's first row in the micro-batch."""
+        assignment = self._current.assignment
+        routing = assignment.routing
+        first = routing.own(rows)[0]
+        for url, start, end in routing.pieces(link, rows):
+            piece = {name: np.ascontiguousarray(value[start - first:end - first]) for name, value in tensors.items()}
+            envelope = Envelope(kind=DATA_KINDS[path], run_id=assignment.run_id, step=key[0], microbatch=key[1],
+                                stage=assignment.entry.index + direction, tensors=piece, meta={"row": start})
+            # each receiver gets its own copy of a stateful codec (topk's error feedback belongs to its rows)
+            receiver_codec = self._piece_codecs.setdefault((path, url), get_codec(codec.spec))
+            self._outbox.submit(url, path, envelope, receiver_codec)
 
     def _send_data(self, url: str | None, path: str, key: Key, tensors: dict[str, np.ndarray], direction: int,
                    codec: Codec) -> None:

@@ -20,16 +20,19 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from edgert.groups import StageRouting
 from edgert.protocol import StepReport
 from edgert.schedule import Computation, Key, MicroBatch, Schedule, Window, stage_actions
 from edgert.stage import StageSession
 from edgert.worker.errors import InboxSkipped
 from edgert.worker.gate import StepGate
+from edgert.worker.group_exchange import GroupExchange
 from edgert.worker.inbox import Inbox
 from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.worker.stage_timer import warm_up
 
-Sender = Callable[[Key, dict[str, np.ndarray]], None]
+Sender = Callable[..., None]  # (key, tensors) and, on a link that carries row pieces, rows=<micro-batch size>
+GroupSender = Callable[[int, dict[str, np.ndarray]], None]  # (step, tensors) to the other members of the group
 StepCallback = Callable[[StepReport], None]
 
 
@@ -38,8 +41,12 @@ class StageExecutor:
 
     def __init__(self, session: StageSession, stage: int, inbox: Inbox, send_forward: Sender,
                  send_backward: Sender, slowdown: SlowdownSchedule = SlowdownSchedule(),
-                 wait_timeout: float | None = None, before_wait: Callable[[], None] | None = None):
+                 wait_timeout: float | None = None, before_wait: Callable[[], None] | None = None,
+                 routing: StageRouting | None = None, send_group: GroupSender | None = None):
         self.session = session
+        self.routing = routing or StageRouting(None, 0, None, None)
+        self._exchange = GroupExchange(session, self.routing, self._take_key, send_group) \
+            if self.routing.grouped else None
         self.stage = stage
         self.inbox = inbox
         self._send_forward = send_forward
@@ -70,7 +77,7 @@ class StageExecutor:
         ``on_step`` is called with each step's report as soon as its optimizer step is done.
         """
         batches = list(window.microbatches)
-        self._warm_up(batches[0].size)
+        self._warm_up(self._rows(batches[0]))
         actions = stage_actions(window.schedule, self.stage, window.stages, len(batches))
         reports = {step: StepReport(step=step, stage=self.stage, started=time.time()) for step in window.steps}
         last_backward: MicroBatch | None = None
@@ -91,6 +98,7 @@ class StageExecutor:
                     last_backward = batches[action.microbatch]
                     self._backward(last_backward, reports[step], window)
                 else:
+                    self._combine(window, step, reports[step])
                     self._step(reports[step])
                     done.append(step)
                     if on_step is not None:
@@ -107,13 +115,29 @@ class StageExecutor:
             self.activity = "warming up"
             warm_up(self.session, rows, self.slowdown)
 
+    def _rows(self, batch: MicroBatch) -> int:
+        """How many rows of ``batch`` this worker computes: its share in a group, else all."""
+        start, end = self.routing.own(batch.size)
+        return end - start
+
+    def _combine(self, window: Window, step: int, report: StepReport) -> None:
+        """In a group, before the optimizer step: every member's gradients summed (group_exchange.py)."""
+        if self._exchange is None:
+            return
+        sizes = [m.size for m in window.microbatches if m.step == step]
+        rows = [sum(end - start for start, end in (self.routing.group.ranges(size)[j] for size in sizes))
+                for j in range(self.routing.group.size)]
+        started = self._clock()
+        self._exchange.combine(step, rows)
+        report.idle_ms += (time.perf_counter() - started[0]) * 1000
+
     def _truncated(self, step: int) -> bool:
         return self.inbox.last_step is not None and step > self.inbox.last_step
 
     # -- actions -----------------------------------------------------------------------------
 
     def _forward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
-        inputs = self._take("act", batch, report)
+        inputs = self._take_rows("act", "previous", batch, report)
         kept: dict[str, np.ndarray] | None = {} if self.session.stashing else None
         self._held[batch.key] = (inputs, kept)
         if window.schedule == Schedule.ASYNC and not self.is_last:
@@ -124,7 +148,7 @@ class StageExecutor:
         outputs = self.session.forward(inputs, kept)
         self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step,
                        (Computation.FORWARD, batch.size))
-        self._send(self._send_forward, batch.key, outputs, report)
+        self._send(self._send_forward, batch.key, outputs, report, self._piece_rows("next", batch))
 
     def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
         inputs, kept = self._held.pop(batch.key)
@@ -133,18 +157,20 @@ class StageExecutor:
             gradients = None
         else:
             labels = None
-            gradients = self._take("grad", batch, report)
+            gradients = self._take_rows("grad", "next", batch, report)
         stashed = self._stashed_version(batch.key) if window.schedule == Schedule.ASYNC and not self.is_last else None
         started = self._clock()
         with self.session.stashed_weights(stashed) if stashed is not None else contextlib.nullcontext():
+            # a share's loss is scaled by its rows over the batch: the group's gradients then simply add up
             result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
-                                           loss_scale=batch.loss_scale, saved=kept)
+                                           loss_scale=batch.loss_scale * self._rows(batch) / batch.size, saved=kept)
         self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step,
                        (Computation.BACKWARD, batch.size))
         if self.is_last:
-            self._score(report, batch, result.loss, result.prediction, labels)
+            self._score(report, self._rows(batch), result.loss, result.prediction, labels)
         if not self.is_first and result.input_gradients:
-            self._send(self._send_backward, batch.key, result.input_gradients, report)
+            self._send(self._send_backward, batch.key, result.input_gradients, report,
+                       self._piece_rows("previous", batch))
 
     def _step(self, report: StepReport) -> None:
         started = self._clock()
@@ -170,8 +196,28 @@ class StageExecutor:
 
     # -- bookkeeping -------------------------------------------------------------------------
 
-    def _take(self, kind: str, batch: MicroBatch, report: StepReport):
-        key = (kind, batch.step, batch.index)
+    def _take_rows(self, kind: str, link: str, batch: MicroBatch, report: StepReport) -> dict[str, np.ndarray]:
+        """``batch``'s tensors from the ``link`` neighbour: whole, or this worker's rows gathered from the row
+        pieces its members send (in row order) when either side is a group."""
+        if not self.routing.split(link):
+            return self._take(kind, batch, report)
+        parts = [self._take(kind, batch, report, row=start) for _, start, _ in self.routing.pieces(link, batch.size)]
+        if len(parts) == 1:
+            return parts[0]
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+    def _piece_rows(self, link: str, batch: MicroBatch) -> dict[str, int]:
+        """The sender's keyword for a link that carries row pieces: the whole micro-batch's size."""
+        return {"rows": batch.size} if self.routing.split(link) else {}
+
+    def _take_key(self, key: tuple) -> dict[str, np.ndarray]:
+        """Wait for ``key`` (a group member's gradients), the step reports sent first."""
+        if self._before_wait is not None and not self.inbox.holds(key):
+            self._before_wait()
+        return self.inbox.take(key, self.wait_timeout)[0]
+
+    def _take(self, kind: str, batch: MicroBatch, report: StepReport, row: int | None = None):
+        key = (kind, batch.step, batch.index) if row is None else (kind, batch.step, batch.index, row)
         if self._before_wait is not None and not self.inbox.holds(key):
             self._before_wait()
         value, waited = self.inbox.take(key, self.wait_timeout)
@@ -195,15 +241,16 @@ class StageExecutor:
         report.spans.append((name, time.time() - total, total))
 
     @staticmethod
-    def _send(sender: Sender, key: Key, tensors: dict[str, np.ndarray], report: StepReport) -> None:
+    def _send(sender: Sender, key: Key, tensors: dict[str, np.ndarray], report: StepReport,
+              pieces: dict[str, int]) -> None:
         started = time.perf_counter()
-        sender(key, tensors)
+        sender(key, tensors, **pieces)
         report.send_ms += (time.perf_counter() - started) * 1000
 
     @staticmethod
-    def _score(report: StepReport, batch: MicroBatch, loss: float | None, prediction, labels) -> None:
-        report.samples += batch.size
-        report.loss_sum += (loss or 0.0) * batch.size
+    def _score(report: StepReport, rows: int, loss: float | None, prediction, labels) -> None:
+        report.samples += rows
+        report.loss_sum += (loss or 0.0) * rows
         label = next(iter(labels.values()))
         if prediction is not None and np.issubdtype(label.dtype, np.integer) and prediction.ndim == label.ndim + 1:
             report.correct = (report.correct or 0) + int(np.sum(prediction.argmax(-1) == label))

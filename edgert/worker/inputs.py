@@ -9,7 +9,11 @@ or the running stage sees them (docs/SECURITY.md, "Requests a worker refuses"):
 - *when*: the step lies in a segment the coordinator sent (``POST /run``) and the micro-batch
   is one of that step's;
 - *what*: tensor names, dtypes and dimensions are the manifest's, and the batch dimension
-  is that micro-batch's size.
+  is that micro-batch's size (in a group: this member's rows of it; on a link to or from a group,
+  the row piece ``meta.row`` starts, one this member takes).
+
+``/groupgrad`` takes another member's gradients for a step (group_exchange.py): from a member of this
+stage's group, as many as the stage has.
 
 A message that passes, but for a step already done (a retried delivery whose first answer
 was lost) or after a truncation, is dropped with 2.04: nothing is kept.
@@ -19,14 +23,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from edgert.manifest import BoundaryTensor
-from edgert.protocol import ACT, BATCH, DATA_KINDS, LABELS, Peers, Segment
+from edgert.protocol import ACT, BATCH, DATA_KINDS, GROUP_GRAD, GROUP_GRAD_KIND, LABELS, Peers, Segment
 from edgert.schedule import MicroBatch
 from edgert.transport import BadRequest, Envelope, Request, ServiceUnavailable, TensorServer
 from edgert.transport.errors import Forbidden
 from edgert.transport.tls import COORDINATOR_ROLE, PeerIdentity
 from edgert.worker.current_stage import CurrentStage
 from edgert.worker.errors import InboxFull
+from edgert.worker.group_exchange import expected_tensors
 from edgert.worker.inbox import Inbox
 
 
@@ -43,6 +50,8 @@ class StageInputs:
                             roles=(COORDINATOR_ROLE,))
         for path, kind in DATA_KINDS.items():
             server.add_resource(path, post=self._data_handler(path), rt=f"edgert.{kind}", kinds=(kind,))
+        server.add_resource(GROUP_GRAD, post=self._on_group_gradients, rt="edgert.group_gradients",
+                            kinds=(GROUP_GRAD_KIND,))
 
     async def _on_batch(self, request: Request) -> None:
         """A whole step's inputs (first stage) and/or labels (last stage), split into micro-batches here."""
@@ -55,15 +64,17 @@ class StageInputs:
         microbatches = announced_microbatches(current.announced(), envelope.step, current.health.step, BATCH)
         if microbatches is None:
             return  # a late duplicate: nothing kept
-        check_tensors(envelope, expected, BATCH, batch=sum(m.size for m in microbatches))
+        routing = current.assignment.routing
+        rows = [routing.own(m.size)[1] - routing.own(m.size)[0] for m in microbatches]  # a group member's share
+        check_tensors(envelope, expected, BATCH, batch=sum(rows))
         if is_late(envelope.step, current.health.step, self.inbox.last_step):
             return
         inputs = {t.name for t in entry.inputs} if entry.index == 0 else set()
         start = 0
         try:
-            for micro in microbatches:
-                part = slice(start, start + micro.size)
-                start += micro.size
+            for micro, count in zip(microbatches, rows):
+                part = slice(start, start + count)
+                start += count
                 values = {name: value[part] for name, value in envelope.tensors.items()}
                 if inputs:
                     self.inbox.put((ACT, micro.step, micro.index), {n: v for n, v in values.items() if n in inputs})
@@ -86,14 +97,46 @@ class StageInputs:
                                          current.health.step, path)
             if micro is None:
                 return  # a late duplicate: nothing kept
-            check_tensors(envelope, self._expected(path), path, batch=micro.size)
+            link = "previous" if path == ACT else "next"
+            key, rows = (path, envelope.step, envelope.microbatch), micro.size
+            if assignment.routing.split(link):
+                row, rows = piece_rows(envelope, assignment.routing.pieces(link, micro.size), path)
+                key = (*key, row)
+            check_tensors(envelope, self._expected(path), path, batch=rows)
             if is_late(envelope.step, current.health.step, self.inbox.last_step):
                 return
             try:
-                self.inbox.put((path, envelope.step, envelope.microbatch), dict(envelope.tensors))
+                self.inbox.put(key, dict(envelope.tensors))
             except InboxFull as error:
                 raise ServiceUnavailable(str(error)) from None
         return handle
+
+    async def _on_group_gradients(self, request: Request) -> None:
+        """Another member's gradients (and running statistics) of a step, for this stage's group."""
+        envelope, current = request.envelope, self._current
+        current.check_run(envelope)
+        assignment = current.assignment
+        group, member = assignment.group, envelope.meta.get("member")
+        if group is None or group.size < 2:
+            raise Forbidden(f"stage {assignment.entry.index} is held by one worker: it takes no /{GROUP_GRAD}")
+        if envelope.stage != assignment.entry.index:
+            raise BadRequest(f"/{GROUP_GRAD} for stage {envelope.stage} reached stage {assignment.entry.index}")
+        if type(member) is not int or not 0 <= member < group.size or member == assignment.member:
+            raise BadRequest(f"/{GROUP_GRAD}: meta.member {member!r} is not another member of a group of {group.size}")
+        if request.identity is not None and group.names and request.identity.name != group.names[member]:
+            raise Forbidden(f"/{GROUP_GRAD} of member {member} comes only from {group.names[member]!r}")
+        if announced_microbatches(current.announced(), envelope.step, current.health.step, GROUP_GRAD) is None:
+            return
+        expected = expected_tensors(current.session)
+        shapes = {name: tuple(value.shape) for name, value in envelope.tensors.items()}
+        if shapes != expected or any(value.dtype != np.float32 for value in envelope.tensors.values()):
+            raise BadRequest(f"/{GROUP_GRAD} expects float32 tensors {expected}, got {shapes}")
+        if is_late(envelope.step, current.health.step, self.inbox.last_step):
+            return
+        try:
+            self.inbox.put((GROUP_GRAD, envelope.step, member), dict(envelope.tensors))
+        except InboxFull as error:
+            raise ServiceUnavailable(str(error)) from None
 
     def _expected(self, path: str) -> list[BoundaryTensor]:
         entry = self._current.session.entry
@@ -102,15 +145,32 @@ class StageInputs:
         return [t for t in entry.outputs if t.name in entry.output_gradients]
 
 
+def piece_rows(envelope: Envelope, pieces: list[tuple[str, int, int]], path: str) -> tuple[int, int]:
+    """The first row (``meta.row``) and the rows of a row piece on a link to or from a group; 4.00 unless it is
+    one of the ``pieces`` this member takes."""
+    row = envelope.meta.get("row")
+    sizes = {start: end - start for _, start, end in pieces}
+    if type(row) is not int or row not in sizes:
+        raise BadRequest(f"/{path}: meta.row {row!r} is not the first row of a piece this member takes "
+                         f"(rows {sorted(sizes)})")
+    return row, sizes[row]
+
+
 def check_sender(path: str, stage: int, peers: Peers, identity: PeerIdentity | None) -> None:
-    """Refuse (4.03) ``/act`` or ``/grad`` from anyone but the neighbour the assignment names."""
+    """Refuse (4.03) ``/act`` or ``/grad`` from anyone but the neighbour (a member of the neighbouring group)
+    the assignment names."""
     if path == ACT:
-        url, name, role = peers.previous, peers.previous_name, "previous"
+        url, name, role, group = peers.previous, peers.previous_name, "previous", peers.previous_group
     else:
-        url, name, role = peers.next, peers.next_name, "next"
+        url, name, role, group = peers.next, peers.next_name, "next", peers.next_group
     if url is None:
         why = "its inputs come in the coordinator's /batch" if path == ACT else "it is the last stage"
         raise Forbidden(f"stage {stage} takes no /{path} from a peer: {why}")
+    if identity is not None and group is not None and group.names:
+        if identity.name not in group.names:
+            raise Forbidden(f"stage {stage} takes /{path} only from its {role} stage's workers "
+                            f"{list(group.names)}, not {identity}")
+        return
     if identity is not None and identity.name != name:
         raise Forbidden(f"stage {stage} takes /{path} only from its {role} stage's worker {name!r}, not {identity}")
 

@@ -90,7 +90,10 @@ class StageWeights:
 
     def replicate(self, report: StepReport) -> None:
         """Every ``replicate_every`` steps: keep a snapshot, send it to the next workers (and the coordinator,
-        every ``central_every`` steps and after the segment's ``checkpoint_steps``)."""
+        every ``central_every`` steps and after the segment's ``checkpoint_steps``); in a group, only its first
+        member does."""
+        if not self._current.assignment.holder:
+            return  # a group's holder of record keeps the copies for all its members
         to_peers, to_coordinator = self._copies_due(report.step)
         if not (to_peers or to_coordinator):
             return

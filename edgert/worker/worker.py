@@ -253,7 +253,8 @@ class Worker:
         executor = StageExecutor(session, assignment.entry.index, self.inputs.inbox,
                                  self.compute.send_forward, self.compute.send_backward,
                                  self.config.slowdown, assignment.settings.wait_timeout,
-                                 before_wait=self.compute.flush_reports)
+                                 before_wait=self.compute.flush_reports, routing=assignment.routing,
+                                 send_group=self.compute.send_group)
         self.current.install(assignment, session, executor)
 
     # -- running it --------------------------------------------------------------------------

@@ -157,10 +157,13 @@ SEGMENT_STEPS, BATCH, MICRO = 1000, 8, 2  # the loaded worker waits for step 0's
 WORKER_ROUTES = {".well-known/core": ("GET",), "health": ("GET",), "stage": ("PUT",), "run": ("POST",),
                  "batch": ("POST",), "stop": ("POST",), "weights": ("GET", "PUT", "FETCH"), "migrate": ("POST",),
                  "replica": ("GET", "PUT"), "profile": ("POST",), "probe": ("POST",), "echo": ("POST",),
-                 "act": ("POST",), "grad": ("POST",)}
+                 "act": ("POST",), "grad": ("POST",), "groupgrad": ("POST",)}
 KIND_OF = {"stage": "stage", "run": "control", "batch": "batch", "weights": "weights", "migrate": "control",
            "replica": "weights", "profile": "stage", "probe": "control", "act": "activations",
-           "grad": "gradients"}
+           "grad": "gradients", "groupgrad": "group_gradients"}
+WRONG_GROUP = {"group": [5, "x", [], {"members": []}, {"members": [NOWHERE], "shares": [1.0, 2.0]},
+                         {"members": [NOWHERE, NOWHERE], "shares": [1.0, 1.0]}],
+               "member": [-1, 1, 7, True, "x", None]}  # the stage is held by one worker
 answers: collections.Counter = collections.Counter()  # (worker state, path, method, code) -> count
 
 
@@ -212,7 +215,7 @@ def right_kind_wrong_content(draw, worker, path):
         how = draw(st.sampled_from(["meta", "settings", "settings", "file", "missing file", "stage"]))
         stage = entry.index
         if how == "meta":
-            meta = broken(draw, meta, optional=("replica_targets",))
+            meta = broken(draw, meta, optional=("replica_targets", "group", "member"), wrong=WRONG_GROUP)
         elif how == "settings":  # each has a default but the training config
             told = meta["settings"]
             meta["settings"] = broken(draw, told, optional=tuple(k for k in told if k != "training"))
@@ -273,6 +276,11 @@ def right_kind_wrong_content(draw, worker, path):
         if path == "batch" or draw(st.integers(0, 9)) == 0:
             tensors["extra"] = np.zeros(shape, np.float32)
         return envelope_bytes(KIND_OF[path], step=step, microbatch=micro, stage=stage, tensors=tensors)
+    if path == "groupgrad":  # the loaded stage is held by one worker: no member of a group may send it gradients
+        member = draw(st.sampled_from([0, 1, -1, "x", None]))
+        return envelope_bytes("group_gradients", stage=draw(st.sampled_from([entry.index, 0, 5])),
+                              meta={"member": member}, tensors={"gradient": np.zeros(draw(st.integers(1, 9)),
+                                                                                     np.float32)})
     if path == "weights":  # PUT while the stage runs (4.09), or state that does not fit it
         parameter = entry.parameters[0]
         value = np.zeros(parameter.shape, np.float32)
