@@ -86,6 +86,12 @@ class StageWeights:
         if current.assignment is None or current.assignment.run_id != assignment.run_id:
             self._copies.clear()
 
+    def training_resumed(self) -> None:
+        """A segment of the current stage starts: the state held before its assignment has been taken over (a
+        re-partition migrates before training resumes). Forgotten, so that a later re-partition that leaves
+        this worker out serves what it holds now, not the stage it held two placements ago."""
+        self._previous = None
+
     # -- on the compute thread, after each step --------------------------------------------
 
     def replicate(self, report: StepReport) -> None:

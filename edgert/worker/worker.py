@@ -289,6 +289,7 @@ class Worker:
         if segment.stages != stages:
             raise BadRequest(f"run command is for {segment.stages} stages; this run has {stages}")
         self.current.announce(segment)
+        self.weights.training_resumed()
         self.compute.queue_segment(segment)
 
     async def _on_stop(self, request: Request) -> str:
