@@ -14,5 +14,6 @@ Map of the package:
 - ``faults.py``     fault injection shared with the tests: kill workers mid-step, tail ``metrics.jsonl``
 - ``pipeline.py``   ``edgert bench pipeline``: edgert's overhead over bare ORT, 1F1B's pipeline efficiency
 - ``hetero.py``     ``edgert bench hetero``: planned vs equal cuts vs the ideal on unequal devices, re-planning
+- ``groups.py``     ``edgert bench groups``: hybrid placements vs the best pipeline, speed-weighted vs equal shares
 - ``portable.py``   ``edgert bench portable``: portable stage graphs vs the training build's, stage by stage
 """
