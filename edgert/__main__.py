@@ -2,4 +2,5 @@
 
 from edgert.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned process (multiprocessing) re-imports it as __mp_main__
+    main()

@@ -34,6 +34,8 @@ class StageGroup:
     def __post_init__(self) -> None:
         if len(set(self.members)) != len(self.members):
             raise ProtocolError(f"group members must be one or more distinct worker URLs: {list(self.members)}")
+        if not all(share > 0 and math.isfinite(share) for share in self.shares):
+            raise ProtocolError(f"group shares must be positive numbers: {list(self.shares)}")
         if len(self.shares) != len(self.members):
             raise ProtocolError(f"group of {len(self.members)} member(s) has {len(self.shares)} share(s)")
         if self.names and len(self.names) != len(self.members):

@@ -13,8 +13,10 @@ LISTEN = "coap+tcp://127.0.0.1:0"  # every benchmark run's coordinator, in this 
 
 
 def train_config(plan: Path, workers: list[str], out: Path, **options: Any) -> TrainConfig:
-    """The :class:`TrainConfig` of a benchmark run: on loopback, no progress line, ``options`` as given."""
-    return TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, listen=LISTEN, progress=False, **options)
+    """The :class:`TrainConfig` of a benchmark run: on loopback (``LISTEN`` unless ``options`` say where), no
+    progress line, ``options`` as given."""
+    options = {"listen": LISTEN, "progress": False, **options}
+    return TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, **options)
 
 
 def train_run(plan: Path, workers: list[str], out: Path, **options: Any) -> tuple[RunSummary, list[dict[str, Any]]]:

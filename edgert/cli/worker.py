@@ -54,7 +54,7 @@ def worker_command(listen: str | None, credential: Path | None, insecure: bool, 
     config = WorkerConfig(listen=listen or default_listen(tls is not None, DEFAULT_PORT), name=name, slowdown=schedule,
                           workdir=workdir, join=join, advertise=advertise, tls=tls,
                           providers=check_available(parse_providers(providers)))
-    asyncio.run(_serve(Worker(config)))
+    asyncio.run(_serve(Worker(config, say=lambda line: click.echo(f"edgert worker {name}: {line}"))))
 
 
 def _worker_name(name: str | None, tls) -> str:
@@ -75,8 +75,15 @@ async def _serve(worker) -> None:
     url = await worker.start()
     click.echo(f"edgert worker {worker.config.name} listening on {url} (slowdown {worker.config.slowdown})")
     sys.stdout.flush()
+    waiting = [loop.create_task(stop.wait())]
+    if worker.joining is not None:  # a coordinator that refuses the worker leaves it nothing to do
+        waiting.append(loop.create_task(worker.joining.refused.wait()))
     try:
-        await stop.wait()
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if worker.joining is not None and worker.joining.refusal:
+            raise EdgertError(worker.joining.refusal)
     finally:
+        for task in waiting:
+            task.cancel()
         await worker.shutdown()
         click.echo(f"edgert worker {worker.config.name} stopped")

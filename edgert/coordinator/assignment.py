@@ -99,6 +99,12 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
     return links
 
 
+def links_record(names: list[str], links: tuple[LinkCodecs, ...]) -> list[dict[str, object]]:
+    """The ``links`` event's list (docs/RUNS.md): each link's workers and codecs, for the stages on ``names``."""
+    return [{"link": k, "sender": names[k], "receiver": names[k + 1], "forward": link.forward,
+             "backward": link.backward} for k, link in enumerate(links)]
+
+
 def link_codecs(plan_dir: Path, stages: int, briefing: RunBriefing) -> tuple[LinkCodecs, ...]:
     """Each link's codecs: in a direction of ``briefing.planned_codecs``, the planner's choice for that link
     (``placement.json``'s ``link_codecs``, which the planner costs for both directions alike); otherwise, or

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgert.coordinator.assignment import DIRECTIONS, RunBriefing, assign, with_learning_rate
+from edgert.coordinator.assignment import DIRECTIONS, RunBriefing, assign, links_record, with_learning_rate
 from edgert.coordinator.data import Batch, batches, load_training_data
 from edgert.coordinator.errors import AssignmentError, TrainingError, WorkerFailure
 from edgert.coordinator.evaluation import Evaluation
@@ -34,7 +34,7 @@ from edgert.coordinator.progress import Progress
 from edgert.coordinator.recovery import Recovery
 from edgert.coordinator.replanning import Replanning
 from edgert.coordinator.run_state import RunState
-from edgert.coordinator.run_summary import RunSummary, summarise
+from edgert.coordinator.run_summary import RunSummary, joined_workers, summarise
 from edgert.coordinator.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
 from edgert.coordinator.segments import SegmentRunner, next_segment
 from edgert.coordinator.snapshots import CentralCopies
@@ -187,12 +187,14 @@ class Coordinator:
         """Connect, assign, train, evaluate; always releases the workers."""
         config = self.config
         plan = list(batches(len(self.dataset.x_train), config.batch_size, config.epochs, config.seed, config.steps))
-        self._open(len(plan))
+        self._open(plan)
         try:
             await self.server.start()
             await self._connect_workers()
+            if config.resume:
+                await self._remember_joined()
             self._write_run_files()
-            if config.replan == "auto" or config.replan_at or self._fault_tolerant:
+            if self._plans_live:
                 await self.replanning.start()
             if config.resume:
                 self._prepare_settings()
@@ -211,19 +213,20 @@ class Coordinator:
             await self.server.shutdown()
             await self.client.close()
 
-    def _open(self, steps: int) -> None:
-        """Open the run's records (metrics, trace, progress) and make the parts that keep them."""
+    def _open(self, plan: list[Batch]) -> None:
+        """Open the run's records (metrics, trace, progress) and make the parts that keep them, for ``plan``."""
         config, state = self.config, self.state
         self.log = RunLog(config.out_dir, self.started)
         self.ledger = StepLedger(self.log, self._show_step, history=max(HISTORY, config.replan_every))
-        self._progress = Progress(steps, enabled=config.progress)
+        self._progress = Progress(len(plan), enabled=config.progress)
         central = CentralCopies(config.out_dir / "snapshots")
         self.failures = FailureDetector(state, self.client, self.ledger, self.log, config.step_timeout)
         self.evaluation = Evaluation(config.out_dir, state, self.client, self.log, self.dataset, central,
                                      self._progress)
         self.replanning = Replanning(config, state, self.client, self.log, self.ledger, self.failures,
                                      self.evaluation, self._progress,
-                                     signing=None if self.security is None else self.security.signing)
+                                     signing=None if self.security is None else self.security.signing,
+                                     last_step=plan[-1].step if plan else -1, takes_joins=self._plans_live)
         self.recovery = Recovery(config.out_dir, config.resume, state, self.client, self.log, self.ledger,
                                  self.failures, self.replanning, self.evaluation, central, self._progress)
         self.recovery.serve(self.server)
@@ -248,6 +251,25 @@ class Coordinator:
             state.order, state.groups = place_workers(state.placed(), shares, state.known)
         log.info("workers: %s", ", ".join(f"{n} ({u})" for u, n in state.known.items()))
 
+    async def _remember_joined(self) -> None:
+        """``--resume``: take back the workers that had joined the run and still answer, as if they joined now."""
+        for url, name in joined_workers(self.config.out_dir).items():
+            if url in self.state.known:
+                continue
+            try:
+                health = Health.from_envelope((await self.client.get(
+                    url, HEALTH, timeout=self.config.connect_timeout, retries=0)).envelope())
+            except (TransportError, OSError, EdgertError) as error:
+                self.log.event("join_forgotten", worker=name, url=url, reason=str(error))
+                self._progress.message(f"worker {name} had joined from {url} but does not answer: left out")
+                continue
+            if health.name != name:
+                self.log.event("join_forgotten", worker=name, url=url, reason=f"{url} is now {health.name!r}")
+                continue
+            self.replanning.admit(url, name)
+            self.log.event("join_remembered", worker=name, url=url)
+            self._progress.message(f"worker {name} had joined from {url}: remembered, weighed at the first check")
+
     def _write_run_files(self) -> None:
         plan_copy = self.config.out_dir / "plan"
         if plan_copy.resolve() != self.config.plan_dir.resolve():
@@ -260,6 +282,12 @@ class Coordinator:
         self.log.write_json(RUN_FILE, {"run_id": self.run_id, "started": self.log.started, "config": config,
                                        "workers": self.state.names, "plan": str(self.config.plan_dir.resolve()),
                                        "stages": len(self.state.manifest.stages)})
+
+    @property
+    def _plans_live(self) -> bool:
+        """Whether the run needs the planner while it trains: to re-plan, recover, or place workers that join."""
+        config = self.config
+        return config.replan == "auto" or bool(config.replan_at) or self._fault_tolerant
 
     @property
     def _fault_tolerant(self) -> bool:
@@ -289,9 +317,7 @@ class Coordinator:
                   for k, group in enumerate(state.groups) if group is not None}
         self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=state.names,
                        cuts=list(state.manifest.cuts), **({"groups": groups} if groups else {}))
-        self.log.event("links", links=[{"link": k, "sender": state.names[k], "receiver": state.names[k + 1],
-                                        "forward": link.forward, "backward": link.backward}
-                                       for k, link in enumerate(links)])
+        self.log.event("links", links=links_record(state.names, links))
 
     async def _release_workers(self) -> None:
         async def stop(url: str) -> None:

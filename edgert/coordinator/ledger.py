@@ -85,7 +85,8 @@ class StepLedger:
         parts.append((worker, report))
         self.log.spans(report.stage, worker, report.spans)
         if all(len(received.get(k, ())) == self.members[k] for k in range(self.stages)):
-            self._complete(report.step, {k: merged([r for _, r in parts]) for k, parts in received.items()})
+            self._complete(report.step, {k: merged([r for _, r in parts]) for k, parts in received.items()},
+                           {k: parts for k, parts in received.items() if len(parts) > 1})
 
     async def wait(self, step: int, timeout: float) -> bool:
         """Wait for ``step``; False on timeout. A failure releases every waiter."""
@@ -149,7 +150,8 @@ class StepLedger:
         """After a pause (evaluation, re-plan), the next step's time starts from its own start."""
         self._last_finish = None
 
-    def _complete(self, step: int, reports: dict[int, StepReport]) -> None:
+    def _complete(self, step: int, reports: dict[int, StepReport],
+                  groups: dict[int, list[tuple[str, StepReport]]]) -> None:
         epoch, samples = self._meta.pop(step)
         last = reports[self.stages - 1]
         finished = max(r.finished for r in reports.values())
@@ -167,6 +169,13 @@ class StepLedger:
                            "slowdown_ms": round(r.slowdown_ms, 3)})
             if r.replicated_bytes:  # the steps after which this stage sent its copies
                 stages[-1].update(replication_ms=round(r.replication_ms, 3), replicated_bytes=r.replicated_bytes)
+            if k in groups:  # a group's stage: its times are the slowest member's; each member's own
+                stages[-1]["members"] = [{"worker": worker, "samples": part.samples,
+                                          "forward_ms": round(part.forward_ms, 3),
+                                          "backward_ms": round(part.backward_ms, 3),
+                                          "optimizer_ms": round(part.optimizer_ms, 3),
+                                          "idle_ms": round(part.idle_ms, 3)}
+                                         for worker, part in sorted(groups[k], key=lambda item: item[0])]
         record = StepRecord(step, epoch, samples, loss, accuracy, elapsed * 1000, stages, self.placement)
         self.completed_through = max(self.completed_through, step)
         self.done_through = max(self.done_through, step)

@@ -1,8 +1,8 @@
 """Worker processes on this machine: for ``edgert demo``, the tests and the benchmarks.
 
 Each worker is a real ``edgert worker`` process listening on a free loopback port; the
-cluster learns the port from the worker's first line of output and stops every process
-on exit (SIGTERM, then SIGKILL after a grace period).
+cluster learns the port from the worker's first line of output, keeps what it prints after
+(``consoles``), and stops every process on exit (SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class LocalCluster:
         self.extra_args = extra_args or []
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
+        self.consoles: list[list[str]] = []  # what each worker printed after its "listening" line
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -49,6 +51,9 @@ class LocalCluster:
             for k in range(self.count):
                 self.processes.append(self._spawn(k))
             self.urls = [self._wait_for_url(k, p) for k, p in enumerate(self.processes)]
+            self.consoles = [[] for _ in self.processes]
+            for process, console in zip(self.processes, self.consoles):  # a full pipe would stop the worker
+                threading.Thread(target=_read_lines, args=(process.stdout, console), daemon=True).start()
         except BaseException:
             self.stop()
             raise
@@ -100,3 +105,12 @@ class LocalCluster:
             if process.stdout:
                 process.stdout.close()
         self.processes.clear()
+
+
+def _read_lines(stream, lines: list[str]) -> None:
+    """Append each line of ``stream`` to ``lines`` until it closes."""
+    try:
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+    except (OSError, ValueError):  # closed by stop()
+        pass

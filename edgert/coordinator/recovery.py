@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from edgert.coordinator.assignment import assign
+from edgert.coordinator.assignment import assign, links_record
 from edgert.coordinator.errors import TrainingError, WorkerFailure
 from edgert.coordinator.evaluation import Evaluation
 from edgert.coordinator.failures import FailureDetector, dead_among
@@ -94,11 +94,12 @@ class Recovery:
             plan_dir = self._out_dir / "plans" / f"resume-{step}"
             manifest, order, _ = await self._replanning.placement_for(manifest, workers, plan_dir)
         state.place(manifest, plan_dir, order, [state.known[u] for u in order])
-        await assign(self._client, manifest, plan_dir, state.order, state.names, state.settings)
+        links = await assign(self._client, manifest, plan_dir, state.order, state.names, state.settings)
         await self._restore(manifest, state.order, step, {COORDINATOR: self.central.holdings()})
         self._ledger.restart(state.names, after=step)
         self._log.event("resume", snapshot_step=step, resume_step=step + 1, workers=state.names,
                         cuts=list(manifest.cuts), process_started_s=self._log.opened_s)
+        self._log.event("links", before_step=step + 1, links=links_record(state.names, links))
         return step + 1
 
     # -- recovering ----------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class Recovery:
         folder = self._out_dir / "plans" / f"recovery{self._recoveries + 1}"
         manifest, order, new_names = await self._replanning.placement_for(state.manifest, workers, folder)
         built = time.monotonic()
-        await assign(self._client, manifest, folder, order, new_names, state.settings)
+        links = await assign(self._client, manifest, folder, order, new_names, state.settings)
         moved = await self._restore(manifest, order, snapshot, holdings)
         self._recoveries += 1
         state.place(manifest, folder, order, new_names)
@@ -134,6 +135,7 @@ class Recovery:
                         steps_from_snapshot=from_snapshot,
                         replan_s=round(built - planned, 3), transfer_s=round(moved, 3), total_s=round(total, 3),
                         new_cuts=list(manifest.cuts), workers=state.names)
+        self._log.event("links", before_step=resume, links=links_record(state.names, links))
         self._progress.message(f"recovered from the failure of {', '.join(sorted(failed))}: resumed at step "
                                f"{resume} on {len(order)} worker(s) in {total:.2f} s")
         return resume

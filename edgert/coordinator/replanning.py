@@ -1,8 +1,10 @@
 """The coordinator's re-planning: watching stage times, moving the cuts, welcoming workers.
 
 Every ``--replan-every`` completed steps (and when a worker joins) the placement is checked
-against the times measured lately, while the pipeline keeps going; a better placement that
-pays for its pause is applied at a step boundary: the run loop cuts the segment at the last
+against the times measured lately, while the pipeline keeps going; while a worker that joined
+is idle, it is weighed at every such check whatever ``--replan`` says. A better placement
+whose gain over the steps left, its pause included, reaches the threshold is applied at a
+step boundary: the run loop cuts the segment at the last
 step whose data was sent and drains the pipeline, then the new stages are assigned and
 their state migrates between workers (edgert.coordinator.assignment).
 """
@@ -10,12 +12,14 @@ their state migrates between workers (edgert.coordinator.assignment).
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgert.coordinator.assignment import assign, migrate
+from edgert.coordinator.assignment import assign, links_record, migrate
 from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.evaluation import Evaluation
 from edgert.coordinator.failures import FailureDetector
@@ -30,12 +34,14 @@ from edgert.manifest import Manifest
 from edgert.protocol import HEALTH, JOIN, Health, JoinRequest, read_request
 from edgert.security.admission import StageSigning
 from edgert.transport import BadRequest, Request, TensorClient, TensorServer, TransportError
-from edgert.transport.errors import Forbidden
+from edgert.transport.errors import Forbidden, ServiceUnavailable
 
 if TYPE_CHECKING:
     from edgert.coordinator.coordinator import TrainConfig
     from edgert.coordinator.profiling import ProfilePlans
     from edgert.exporter.planner.replanner import Proposal, Replanner
+
+log = logging.getLogger("edgert.coordinator.replanning")
 
 SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
 QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled worker is measured
@@ -51,8 +57,10 @@ class Replanning:
 
     def __init__(self, config: TrainConfig, state: RunState, client: TensorClient, log: RunLog, ledger: StepLedger,
                  failures: FailureDetector, evaluation: Evaluation, progress: Progress,
-                 signing: StageSigning | None):
+                 signing: StageSigning | None, last_step: int, takes_joins: bool):
         self._config = config
+        self._last_step = last_step  # the run's final step: a gain is summed over the steps left
+        self._takes_joins = takes_joins  # whether this run has a planner (started by start()) to place joiners
         self._state = state
         self._client = client
         self._log = log
@@ -68,6 +76,10 @@ class Replanning:
         self._membership_changed = False
         self._recheck = False  # a live re-plan's result is checked SHIFT_WINDOW + 1 steps later
         self._profile_plans: ProfilePlans | None = None  # the units and whole model, made at the first quick profile
+        self._profiling = asyncio.Lock()
+        self._ready = False  # start() has made the planner and profiled the first workers: joins are taken
+        self._joined: set[str] = set()  # names of the workers that joined while the run went on
+        self._idle_reason: dict[str, str] = {}  # joined worker's name -> the kind of reason it was last kept idle for
 
     def serve(self, server: TensorServer) -> None:
         """Take in workers that offer themselves (a resource on ``server``)."""
@@ -86,6 +98,7 @@ class Replanning:
                                     schedule=config.schedule, memory_mode=config.memory_mode)
         if config.devices is None:
             await self._profile(dict(self._state.known))
+        self._ready = True
 
     def begin_segment(self) -> None:
         """A segment starts: the steps until the next check count from here."""
@@ -99,12 +112,24 @@ class Replanning:
         shifted = auto and self._ledger.speed_changed()
         # right after a re-plan, the new placement's own times (not the old ones) are checked soon
         recheck = auto and self._recheck and self._since_check > SHIFT_WINDOW
-        if not ((auto and self._since_check >= config.replan_every) or shifted or recheck
-                or self._membership_changed):
+        # the re-planner costs one worker a stage: a placement with groups is not weighed against idle workers
+        weigh_idle = bool(self.idle_workers()) and not any(self._state.groups)
+        periodic = (auto or weigh_idle) and self._since_check >= config.replan_every
+        if not (periodic or shifted or recheck or self._membership_changed):
             return None
         self._since_check, self._membership_changed, self._recheck = 0, False, False
         quick = shifted or recheck
         return await self._check_placement(window=SHIFT_WINDOW if quick else config.replan_every)
+
+    def idle_workers(self) -> list[str]:
+        """The names of the known workers that hold no stage (joined, or left out by a re-plan)."""
+        state = self._state
+        return [name for url, name in state.known.items() if url not in state.placed()]
+
+    @property
+    def steps_left(self) -> int:
+        """Steps the run still has to complete."""
+        return max(0, self._last_step - self._ledger.completed_through)
 
     async def forced(self, next_step: int) -> None:
         """``--replan-at``: move to the cuts asked for before ``next_step`` (the pipeline is drained)."""
@@ -124,8 +149,9 @@ class Replanning:
         manifest = await self._build(list(proposal.cuts), folder)
         self._evaluation.use_plan(folder, manifest)
         order = self._urls(proposal.workers)
+        idle_before = self.idle_workers()
         old_manifest, old_order, old_cuts = state.manifest, state.order, list(state.manifest.cuts)
-        await assign(self._client, manifest, folder, order, list(proposal.workers), state.settings)
+        links = await assign(self._client, manifest, folder, order, list(proposal.workers), state.settings)
         moved = await migrate(self._client, state.run_id, old_manifest, old_order, manifest, order)
         state.place(manifest, folder, order, list(proposal.workers))
         self._ledger.configure(state.names)
@@ -135,8 +161,15 @@ class Replanning:
         self._log.event("replan", before_step=next_step, reason=proposal.reason, old_cuts=old_cuts,
                         new_cuts=list(manifest.cuts), workers=state.names, predicted_gain=round(proposal.gain, 3),
                         pause_s=round(pause, 3), bytes_moved=moved.bytes, migrate_s=round(moved.seconds, 3))
+        self._log.event("links", before_step=next_step, links=links_record(state.names, links))
         self._progress.message(f"re-planned before step {next_step} ({proposal.reason}): cuts "
                                f"{old_cuts} -> {list(manifest.cuts)}, paused {pause:.2f} s")
+        for name in idle_before:
+            if name in state.names and name in self._joined:
+                self._idle_reason.pop(name, None)
+                stage = state.names.index(name)
+                self._log.event("join_placed", worker=name, stage=stage, before_step=next_step)
+                self._progress.message(f"worker {name} (joined) placed on stage {stage} from step {next_step}")
 
     async def placement_for(self, manifest: Manifest, workers: list[str],
                             folder: Path) -> tuple[Manifest, list[str], list[str]]:
@@ -158,11 +191,35 @@ class Replanning:
         """A better placement for the times of the last ``window`` steps, or None (planned off the event loop)."""
         state = self._state
         self._observe(window)
-        workers = list(state.known.values())
-        proposal = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self._replanner.propose(state.manifest, state.names, candidates=workers))
-        self._log.event("placement_check", after_step=self._ledger.completed_through, **self._replanner.last_check)
+        workers, steps_left = list(state.known.values()), self.steps_left
+        try:
+            proposal = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self._replanner.propose(state.manifest, state.names, candidates=workers,
+                                                      steps_left=steps_left))
+        except EdgertError as error:  # a check that cannot plan keeps the placement; training goes on
+            log.warning("placement check after step %d failed: %s", self._ledger.completed_through, error)
+            self._log.event("placement_check", after_step=self._ledger.completed_through, steps_left=steps_left,
+                            decision=f"keep: the planner failed: {error}")
+            return None
+        check = self._replanner.last_check
+        self._log.event("placement_check", after_step=self._ledger.completed_through, **check)
+        if proposal is None:
+            self._report_idle(check["decision"])
         return proposal
+
+    def _report_idle(self, decision: str) -> None:
+        """Say why each idle worker that joined stays idle, when the kind of reason is new (its figures aside),
+        in the log and on the console; every check's figures are in its ``placement_check`` event."""
+        reason = decision.removeprefix("keep: ")
+        kind = re.sub(r"[-+]?\d[\d.]*", "#", reason)
+        for name in self.idle_workers():
+            if name not in self._joined or self._idle_reason.get(name) == kind:
+                continue
+            self._idle_reason[name] = kind
+            self._log.event("join_kept_idle", worker=name, after_step=self._ledger.completed_through,
+                            reason=reason, steps_left=self.steps_left)
+            self._progress.message(f"worker {name} (joined) kept idle after step {self._ledger.completed_through}:"
+                                   f" {reason}; weighed again every {self._config.replan_every} steps")
 
     async def _build(self, cuts: list[int], folder: Path) -> Manifest:
         """The plan for ``cuts``, exported into ``folder`` (off the event loop)."""
@@ -176,6 +233,11 @@ class Replanning:
     async def _on_join(self, request: Request) -> str:
         """A worker offers itself (``edgert worker --join``): the planner decides at the next step boundary."""
         url = read_request(JoinRequest.from_envelope, request.envelope).url
+        if not self._takes_joins:
+            raise BadRequest("this run cannot place a worker that joins: it neither re-plans nor recovers "
+                             "(start it with --replan auto, or keep --replicate-every above 0)")
+        if not self._ready:
+            raise ServiceUnavailable("the run is starting (profiling its workers); join again shortly")
         try:
             health = Health.from_envelope((await self._client.get(url, HEALTH, timeout=5.0)).envelope())
         except (TransportError, EdgertError) as error:
@@ -183,19 +245,26 @@ class Replanning:
         if request.identity is not None and request.identity.name != health.name:
             raise Forbidden(f"{request.identity} may join only as itself, not as worker {health.name!r} at {url}")
         if url not in self._state.known:
-            if self._replanner is not None and self._config.devices is None:
+            if self._config.devices is None:
                 await self._profile({url: health.name})
-            self._state.known[url] = health.name
-            self._failures.watch(url)
-            self._membership_changed = True
+            self.admit(url, health.name)
             self._log.event("join", worker=health.name, url=url)
+            self._progress.message(f"worker {health.name} joined from {url}: weighed at the next step boundary")
         return "joined"
+
+    def admit(self, url: str, name: str) -> None:
+        """Count ``url`` (worker ``name``) among the run's workers: watched, and weighed at the next check."""
+        self._state.known[url] = name
+        self._joined.add(name)
+        self._failures.watch(url)
+        self._membership_changed = True
 
     async def _profile(self, workers: dict[str, str]) -> None:
         """A quick profile of ``workers`` on the model's units, so the planner knows their speeds."""
         started = time.perf_counter()
         try:
-            await self._measure(workers)
+            async with self._profiling:  # workers that join together are timed one after another too
+                await self._measure(workers)
         except (TransportError, EdgertError) as error:
             raise TrainingError(f"profiling {', '.join(workers.values())} failed: {error}") from None
         save_devices(self._replanner.devices, self._config.out_dir / "devices.json")

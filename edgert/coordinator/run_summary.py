@@ -80,6 +80,16 @@ def count_events(run_dir: Path, *names: str) -> list[int]:
     return [len(_events(written, name)) for name in names]
 
 
+def joined_workers(run_dir: Path) -> dict[str, str]:
+    """The workers (URL -> name) that joined the run in ``run_dir``, in any of its processes (a resume
+    remembers them)."""
+    try:
+        written = read_metrics(run_dir, superseded=True)
+    except FileNotFoundError:
+        return {}
+    return {r["url"]: r["worker"] for r in written if r.get("event") in ("join", "join_remembered")}
+
+
 def _training_seconds(written: list[dict[str, Any]]) -> float:
     """The time every segment ran: its ``segment`` line, or, for one a killed coordinator never
     closed, up to its last ``step`` line."""

@@ -16,6 +16,8 @@ Map of the package (resources: docs/PROTOCOL.md §9; threads and schedules: docs
   its rows only)
 - ``group_exchange.py`` :class:`GroupExchange`: a group's gradients (and running statistics) combined before
   every optimizer step (/groupgrad)
+- ``joining.py``        :class:`Joining`: ``--join``, offering the worker to a coordinator with bounded backoff
+  until it is accepted or refused
 - ``gate.py``           :class:`StepGate`: holding the pipeline at a step boundary (re-planning)
 - ``inbox.py``          :class:`Inbox`: tensors received, waited for by the compute thread, capped
 - ``outbox.py``         :class:`Outbox`: sends in flight, not waited for; what their failures mean

@@ -33,7 +33,7 @@ from edgert.protocol import (
     reports_to_envelope,
 )
 from edgert.schedule import Key, Window
-from edgert.transport import Codec, Envelope
+from edgert.transport import Codec, Envelope, get_codec
 from edgert.worker.current_stage import CurrentStage
 from edgert.worker.errors import InboxAborted
 from edgert.worker.outbox import Outbox
@@ -55,6 +55,7 @@ class ComputeThread:
         self._unsent_reports: list[StepReport] = []
         self._last_report = 0.0
         self._codecs: dict[str, Codec] = {}
+        self._piece_codecs: dict[tuple[str, str], Codec] = {}  # (path, receiver) -> its own copy of the link's codec
         self._thread: threading.Thread | None = None
 
     # -- driven from the transport loop ------------------------------------------------------
@@ -68,6 +69,7 @@ class ComputeThread:
         "backward": its incoming link's gradients); no report is left of the previous one."""
         self._unsent_reports = []
         self._codecs = codecs
+        self._piece_codecs = {}
 
     def queue_segment(self, segment: Segment) -> None:
         """Run ``segment``'s windows after those already queued."""
@@ -203,7 +205,9 @@ class ComputeThread:
             piece = {name: np.ascontiguousarray(value[start - first:end - first]) for name, value in tensors.items()}
             envelope = Envelope(kind=DATA_KINDS[path], run_id=assignment.run_id, step=key[0], microbatch=key[1],
                                 stage=assignment.entry.index + direction, tensors=piece, meta={"row": start})
-            self._outbox.submit(url, path, envelope, codec)
+            # each receiver gets its own copy of a stateful codec (topk's error feedback belongs to its rows)
+            receiver_codec = self._piece_codecs.setdefault((path, url), get_codec(codec.spec))
+            self._outbox.submit(url, path, envelope, receiver_codec)
 
     def _send_data(self, url: str | None, path: str, key: Key, tensors: dict[str, np.ndarray], direction: int,
                    codec: Codec) -> None:

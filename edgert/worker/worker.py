@@ -14,18 +14,17 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgert.errors import EdgertError, ProtocolError
 from edgert.protocol import (
     HEALTH,
-    JOIN,
     RUN,
     STAGE,
     STOP,
     Hold,
-    JoinRequest,
     Segment,
     StageAssignment,
     Truncate,
@@ -44,7 +43,6 @@ from edgert.transport import (
     Request,
     TensorClient,
     TensorServer,
-    TransportError,
     get_codec,
 )
 from edgert.transport.coap_tcp import DEFAULT_PORT
@@ -57,6 +55,7 @@ from edgert.worker.compute_thread import ComputeThread
 from edgert.worker.current_stage import CurrentStage
 from edgert.worker.executor import StageExecutor
 from edgert.worker.inputs import StageInputs
+from edgert.worker.joining import Joining
 from edgert.worker.measurement import Measurement
 from edgert.worker.outbox import Outbox
 from edgert.worker.slowdown import SlowdownSchedule
@@ -91,8 +90,9 @@ class Worker:
     what they share: the stage installed, the segments announced, the health.
     """
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, say: Callable[[str], None] | None = None):
         self.config = config
+        self.say = say or (lambda line: log.warning("%s: %s", config.name, line))  # its console
         self.server = TensorServer(config.listen, limits=config.limits, tls=config.tls)
         self.client = TensorClient(ClientConfig(timeout=config.send_timeout, retries=3), config.limits,
                                    tls=config.tls)
@@ -109,6 +109,8 @@ class Worker:
         self._workdir = Path(config.workdir) if config.workdir else Path(tempfile.mkdtemp(prefix="edgert-worker-"))
         self._owns_workdir = config.workdir is None
         self._load_lock = asyncio.Lock()
+        self.joining = (None if config.join is None else
+                        Joining(self.client, config.join, lambda: self.url, config.name, self.say))
         self._register_resources()
 
     def _register_resources(self) -> None:
@@ -131,17 +133,9 @@ class Worker:
         await self.server.start()
         await self.client.start()
         self.compute.start()
-        if self.config.join:
-            await self._announce(self.config.join)
+        if self.joining is not None:
+            self.joining.start()
         return self.url
-
-    async def _announce(self, coordinator: str) -> None:
-        """Tell a running coordinator this worker is available (``--join``)."""
-        message = JoinRequest(self.url, self.config.name).to_envelope()
-        try:
-            await self.client.post(coordinator, JOIN, message, timeout=10.0, retries=3)
-        except TransportError as error:
-            raise EdgertError(f"could not join {coordinator}: {error}") from None
 
     @property
     def url(self) -> str:
@@ -159,6 +153,8 @@ class Worker:
         rather than left to fail after the loop is gone.
         """
         self.outbox.close()
+        if self.joining is not None:
+            await self.joining.close()
         await self._stop_run("worker is shutting down")
         await self.compute.stop()
         await self.outbox.wait_closed()
@@ -183,6 +179,9 @@ class Worker:
         load_ms = (time.perf_counter() - started) * 1000
         log.info("%s: loaded stage %d of run %s in %.0f ms", self.config.name, assignment.entry.index,
                  assignment.run_id, load_ms)
+        if self.joining is not None:
+            self.say(f"given stage {assignment.entry.index} of run {assignment.run_id} "
+                     f"({len(assignment.entry.blocks)} blocks, loaded in {load_ms:.0f} ms)")
         return Envelope(kind="control", run_id=assignment.run_id, stage=assignment.entry.index,
                         meta={"loaded": True, "load_ms": load_ms, "worker": self.config.name})
 

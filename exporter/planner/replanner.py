@@ -5,10 +5,10 @@ the coordinator takes); the times the stages report while training correct it wi
 per-device factor (FTPipeHD's capacity ratio, updated at every check). A device without a
 profile is costed by the latency predictor fitted on the profiled ones, which learns that
 device's rates online from its reported stage times (AccEPT); with no profile at all, FLOPs
-stand in until the first measurements. A new placement is
-proposed only when its predicted step time beats the current one by the threshold and the
-gain over the next steps pays for the pause a re-partition costs (measured at the last
-re-partition; 1 s before the first).
+stand in until the first measurements. A new placement is proposed only when, over the
+steps the run has left, its predicted time plus the pause a re-partition costs (measured at
+the last re-partition; 1 s before the first) beats the current placement's by at least the
+threshold.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from edgert.manifest import Manifest
 from edgert.schedule import Schedule, microbatches_per_step
 
 DEFAULT_PAUSE_S = 1.0
-HORIZON_STEPS = 50
+GAIN_TOLERANCE = 1e-9  # a gain equal to the threshold, up to rounding, meets it
 SMOOTHING = 0.5  # weight of the newest measurement in a device's speed factor
 SPEED_CHANGE = 1.5  # a measurement this far from the factor is a new speed (throttling), not noise
 FALLBACK_BANDWIDTH = 100e6  # bytes/s when no link was measured
@@ -306,17 +306,21 @@ class Replanner:
     # -- deciding ------------------------------------------------------------------------------
 
     def propose(self, manifest: Manifest, workers: list[str] | None, force: bool = False,
-                cuts: tuple[int, ...] | None = None, candidates: list[str] | None = None) -> Proposal | None:
+                cuts: tuple[int, ...] | None = None, candidates: list[str] | None = None,
+                steps_left: int | None = None) -> Proposal | None:
         """A better placement, or None when the current one (``workers`` by stage) is good enough.
 
         The planner may order and use any of ``candidates`` (default: the current workers).
         ``workers`` is None when no placement runs (a recovery, a resume); then ``candidates``,
-        however many, are required.
+        however many, are required. Unless ``force``, ``steps_left`` (the steps the run still has
+        to go) is required: the time a new placement saves is summed over them.
         """
         from edgert.exporter.planner.solver import plan
 
         if workers is None and not candidates:
             raise ValueError("propose needs candidates when there is no current placement")
+        if not force and steps_left is None:
+            raise ValueError("propose needs steps_left to weigh a gain against the pause")
         current = self._current_ms(manifest, workers, candidates or [])
         if cuts is not None:
             return Proposal(tuple(cuts), tuple(workers), 1.0, current, current, "forced")
@@ -327,22 +331,36 @@ class Replanner:
         gain = current / proposed if proposed > 0 else 1.0
         unchanged = (workers is not None and list(new_cuts) == self.block_cuts(manifest)
                      and list(new_workers) == list(workers))
-        saved_s = (current - proposed) / 1000 * HORIZON_STEPS
         self.last_check = {"current_ms": round(current, 2), "proposed_ms": round(proposed, 2),
-                           "proposed_cuts": list(new_cuts), "proposed_workers": list(new_workers)}
+                           "proposed_cuts": list(new_cuts), "proposed_workers": list(new_workers),
+                           "predicted_gain": round(gain, 4) if gain != float("inf") else None,
+                           "steps_left": steps_left}
         if unchanged and not force:
             self.last_check["decision"] = "keep: the current placement is the best"
             return None
-        if not force and (gain < 1 + self.threshold or saved_s < self._pause_s):
-            self.last_check["decision"] = (f"keep: gain x{gain:.2f} below the threshold x{1 + self.threshold:.2f}"
-                                           if gain < 1 + self.threshold else
-                                           f"keep: saves {saved_s:.2f} s over {HORIZON_STEPS} steps, "
-                                           f"less than the {self._pause_s:.2f} s pause")
-            return None
-        reason = "forced" if force else (f"predicted step {current:.0f} -> {proposed:.0f} ms "
-                                         f"(x{gain:.2f}); pays back a {self._pause_s:.1f} s pause")
+        if not force:
+            refusal = self._refusal(gain, current, proposed, steps_left)
+            if refusal:
+                self.last_check["decision"] = refusal
+                return None
+        reason = "forced" if force else (f"predicted step {current:.0f} -> {proposed:.0f} ms (x{gain:.3f}): "
+                                         f"x{self.last_check['gain_over_steps_left']:.3f} over the {steps_left} "
+                                         f"steps left, a {self._pause_s:.1f} s pause included")
         self.last_check["decision"] = "re-plan"
         return Proposal(new_cuts, new_workers, gain, current, proposed, reason)
+
+    def _refusal(self, gain: float, current_ms: float, proposed_ms: float, steps_left: int) -> str | None:
+        """Why a better placement is not worth moving to (None: it is): over the ``steps_left`` steps, its time
+        plus the re-partition's pause beats the current placement's by less than the threshold."""
+        pause_ms = self._pause_s * 1000
+        now, then = current_ms * steps_left, proposed_ms * steps_left + pause_ms
+        gain_left = now / then if then > 0 else gain
+        self.last_check["gain_over_steps_left"] = round(gain_left, 4) if gain_left != float("inf") else None
+        if gain_left >= 1 + self.threshold - GAIN_TOLERANCE:
+            return None
+        return (f"keep: x{gain_left:.3f} over the {steps_left} steps left (step {current_ms:.0f} -> "
+                f"{proposed_ms:.0f} ms, x{gain:.3f}, and a {self._pause_s:.2f} s pause), "
+                f"below the threshold x{1 + self.threshold:.3f}")
 
     def _current_ms(self, manifest: Manifest, workers: list[str] | None, candidates: list[str]) -> float:
         """The predicted step time of ``manifest``'s stages on ``workers``; infinite when no placement runs,

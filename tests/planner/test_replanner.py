@@ -205,3 +205,34 @@ def test_a_placement_for_more_workers_than_the_plan_has_stages(plan, devices_jso
     assert set(proposal.workers) <= set(survivors) and len(proposal.cuts) == len(proposal.workers) - 1
     # the current workers given as a placement that no longer matches the plan cost nothing and crash nothing
     assert replanner.propose(manifest, survivors, force=True, candidates=survivors) is not None
+
+
+def test_a_gain_is_weighed_over_the_steps_left_pause_included(plan, devices_json, tmp_path):
+    """The same better placement is taken with enough steps left to beat the threshold, pause included, and
+    not with fewer; a gain equal to the threshold (up to rounding) is taken."""
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, devices=devices_json, batch_size=64, micro_batches=4)
+    # "b" (2x slower) on the first stage, the fast "a" on the second: swapping them or re-cutting pays
+    slowness = {"a": 1.0, "b": 2.0}
+    for _ in range(3):
+        replanner.observe(manifest, ["b", "a"], stage_truth(replanner, manifest, ["b", "a"], slowness, 4), 0.0)
+    replanner.threshold = 0.0
+    best = replanner.propose(manifest, ["b", "a"], steps_left=10**9)
+    assert best is not None and best.gain > 1.1
+    replanner.threshold, pause_ms = 0.1, 1000.0
+    replanner.record_pause(pause_ms / 1000)
+    # current x n >= 1.1 (proposed x n + pause)  <=>  n >= 1.1 pause / (current - 1.1 proposed)
+    needed = 1.1 * pause_ms / (best.current_ms - 1.1 * best.proposed_ms)
+    assert replanner.propose(manifest, ["b", "a"], steps_left=int(needed) - 1) is None
+    decision = replanner.last_check["decision"]
+    assert f"over the {int(needed) - 1} steps left" in decision and "below the threshold x1.100" in decision
+    assert replanner.last_check["gain_over_steps_left"] < 1.1 < replanner.last_check["predicted_gain"]
+    taken = replanner.propose(manifest, ["b", "a"], steps_left=int(needed) + 1)
+    assert taken is not None and f"over the {int(needed) + 1} steps left" in taken.reason
+    replanner.record_pause(0.0)
+    replanner.threshold = best.gain - 1  # exactly the predicted gain: met, not missed by rounding
+    assert replanner.propose(manifest, ["b", "a"], steps_left=1000) is not None
+    replanner.threshold = best.gain - 1 + 1e-3
+    assert replanner.propose(manifest, ["b", "a"], steps_left=1000) is None
+    with pytest.raises(ValueError, match="steps_left"):
+        replanner.propose(manifest, ["b", "a"])

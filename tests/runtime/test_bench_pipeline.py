@@ -32,8 +32,13 @@ def test_the_benchmark_prints_rows_and_ratios(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
-    assert [row["run"] for row in data["rows"]] == ["bare_ort", "edgert_1stage", "edgert_4stage_1f1b"]
+    runs = [(row["run"], row.get("slowdown")) for row in data["rows"]]
+    assert runs[:4] == [("bare_ort", None), ("edgert_1stage", None), ("edgert_4stage_1f1b", "1"),
+                        ("edgert_4stage_1f1b", "8")]
     ratios = data["ratios"]
+    # this 2-core host cannot give each worker its cores: the emulated run is the headline, and it says so
+    assert data["cores"] >= 16 or (data["headline"].startswith("slowdown 8") and data["headline_suffix"] == "")
+    assert 0 < ratios["f1b_vs_simulated_slowdown1"] <= 1.1
     assert ratios["f1b_bound"] == pytest.approx(8 / 11, abs=1e-3)
     assert 0 < ratios["one_stage_vs_bare_ort"] < 2
     # a pipeline cannot beat its own schedule with free messages by more than measurement noise

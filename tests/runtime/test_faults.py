@@ -223,21 +223,29 @@ def test_a_worker_joins_a_running_job(plan4, tmp_path):
             thread.join(300)
         finally:
             joiner.send_signal(signal.SIGTERM)
-            joiner.wait(10)
-            joiner.stdout.close()
+            console = joiner.communicate(timeout=10)[0]
     summary = result["summary"]
     events = read_metrics(out)
     assert any(m.get("event") == "join" and m["worker"] == "fast" for m in events)
     replans = [m for m in events if m.get("event") == "replan"]
     assert replans and "fast" in replans[-1]["workers"]
+    placed = [m for m in events if m.get("event") == "join_placed"]
+    assert [m["worker"] for m in placed] == ["fast"] and placed[0]["before_step"] == replans[0]["before_step"]
+    links = [m for m in events if m.get("event") == "links"][-1]  # the record follows the links in use
+    assert links["before_step"] == replans[-1]["before_step"]
+    assert [(link["sender"], link["receiver"]) for link in links["links"]] == list(zip(replans[-1]["workers"],
+                                                                                       replans[-1]["workers"][1:]))
     assert summary.steps == STEPS
+    # the joining worker's console says it was accepted, then given a stage
+    assert "fast: joined coap+tcp://127.0.0.1" in console and "accepted" in console, console
+    assert "fast: given stage " in console, console
 
 
-def _train_process(plan, workers, out, steps=STEPS):
+def _train_process(plan, workers, out, steps=STEPS, listen="coap+tcp://127.0.0.1:0"):
     """``edgert train`` as a process (to be killed), with the options of :func:`run`."""
     command = [sys.executable, "-m", "edgert", "train", str(plan), "--workers", ",".join(workers),
                "--out", str(out), "--steps", str(steps), "--epochs", "10", "--replicate-every", "5",
-               "--central-every", "5", "--listen", "coap+tcp://127.0.0.1:0", "--insecure"]
+               "--central-every", "5", "--listen", listen, "--insecure"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -318,6 +326,28 @@ def test_recovery_with_more_survivors_than_stages(plan2, clean2, tmp_path):
     events = recoveries(out)
     assert len(events) == 1 and set(events[0]["workers"]) <= {"local-0", "idle-0", "idle-1"}
     assert relative_difference(final_parameters(out), clean2) <= 1e-4
+
+
+def test_a_resumed_coordinator_remembers_the_workers_that_joined(plan2, clean2, tmp_path):
+    """A worker joins, the coordinator is killed: `edgert train --resume` counts the joined worker again."""
+    out, port = tmp_path / "run", free_port()
+    with LocalCluster(2) as cluster, LocalCluster(1, names=["late"], slowdowns=["50"]) as late, \
+            SyncClient.start() as client:
+        coordinator = _train_process(plan2, cluster.urls, out, steps=STEPS2, listen=f"coap+tcp://127.0.0.1:{port}")
+        _wait_for_step(out, 2, coordinator)
+        client.post(f"coap+tcp://127.0.0.1:{port}", JOIN, Envelope("control", meta={"url": late.urls[0],
+                                                                                   "name": "late"}), timeout=60)
+        resumed = _kill_and_resume(coordinator, out)
+    _check_resumed(resumed, out, clean2)
+    remembered = _metrics_events(out, "join_remembered")
+    assert [(m["worker"], m["url"]) for m in remembered] == [("late", late.urls[0])]
+    written = read_metrics(out, superseded=True)
+    resumed_at = next(k for k, m in enumerate(written) if m.get("event") == "resume")
+    weighed = [m for m in written[resumed_at:] if m.get("event") in ("join_kept_idle", "join_placed")]
+    assert weighed and weighed[0]["worker"] == "late"  # weighed again after the resume, with its fate recorded
+    links = [m for m in written[resumed_at:] if m.get("event") == "links"]
+    assert links and links[0]["before_step"] == written[resumed_at]["resume_step"]
+    assert all(m["steps_left"] > 0 for m in written[resumed_at:] if m.get("event") == "placement_check")
 
 
 def _metrics_events(out, name):

@@ -89,7 +89,8 @@ async def member_one_step(worker: str, plan) -> dict:
     entry = manifest.stages[1]
     files = {a.role: (plan / a.path).read_bytes() for a in entry.artifacts}
     training = TrainingConfig(optimizer="sgd", learning_rate=LR)
-    assignment = StageAssignment(run_id=RUN_ID, entry=entry, stages=3, peers=Peers(other, other, other),
+    assignment = StageAssignment(run_id=RUN_ID, entry=entry, stages=3,
+                                 peers=Peers(other, other, other, next_codec="int8", previous_codec="fp16"),
                                  settings=RunSettings(training, wait_timeout=60.0, replicate_every=0,
                                                       central_every=0),
                                  group=StageGroup((other, worker), (0.5, 0.5)), member=1)
@@ -123,6 +124,7 @@ async def member_one_step(worker: str, plan) -> dict:
             result.setdefault("inputs", []).append(await status(ACT, envelope))
         sent = await stand_in.wait(ACT, 2)
         result["act_rows"] = sorted((e.microbatch, e.meta.get("row"), e.tensors[out.name].shape[0]) for e in sent)
+        result["act_codecs"] = {codec for e in sent for codec in e.codecs.values()}
         for m in range(2):
             result.setdefault("grads", []).append(await status(GRAD, piece(GRAD, m, 2)))
         (mine,) = await stand_in.wait(GROUP_GRAD, 1)
@@ -137,6 +139,7 @@ async def member_one_step(worker: str, plan) -> dict:
                                                             meta={"member": 0}, tensors={"gradient": others}))
         back = await stand_in.wait(GRAD, 2)
         result["grad_rows"] = sorted((e.microbatch, e.meta.get("row"), e.tensors[spec.name].shape[0]) for e in back)
+        result["grad_codecs"] = {codec for e in back for codec in e.codecs.values()}
         for _ in range(100):  # until the optimizer stepped
             after = StageState.from_envelope((await client.get(worker, WEIGHTS)).envelope())
             if any(not np.array_equal(after.parameters[n], before[n]) for n in before):
@@ -164,6 +167,7 @@ def test_a_member_computes_its_rows_and_steps_the_sum_of_the_groups_gradients(pl
     # its output rows 2-3 of each micro-batch go to the next stage's one worker, marked with their first row
     assert result["act_rows"] == [(0, 2, 2), (1, 2, 2)]
     assert result["grad_rows"] == [(0, 2, 2), (1, 2, 2)]
+    assert result["act_codecs"] == {"int8"} and result["grad_codecs"] == {"fp16"}  # row pieces: the link's codecs
     assert result["group_meta"] == {"member": 1}
     assert result["self_member"].startswith("4.00 /groupgrad: meta.member 1 is not another member")
     assert result["bad_shape"].startswith("4.00 /groupgrad expects float32 tensors")

@@ -59,10 +59,10 @@ def mlp(tmp_path_factory):
     return folder
 
 
-def run(plan, workers, out, schedule, data="digits"):
+def run(plan, workers, out, schedule, data="digits", memory_mode="recompute"):
     config = TrainConfig(plan_dir=plan, workers=tuple(workers), out_dir=out, data=data, steps=STEPS,
                          batch_size=64, micro_batches=4, schedule=schedule, listen="coap+tcp://127.0.0.1:0",
-                         progress=False)
+                         progress=False, memory_mode=memory_mode)
     return train(config)
 
 
@@ -115,9 +115,32 @@ def test_a_group_trains_the_same_parameters_as_one_device(mlp, cluster, one_devi
     difference = largest_relative_difference(parameters(tmp_path / "run", 3), one_device[schedule])
     print(f"{schedule} {layout} {shares}: largest relative parameter difference {difference:.2e}")
     assert difference < 1e-5
-    assigned = [m for m in read_metrics(tmp_path / "run") if m.get("event") == "stages_assigned"]
-    assert [sorted(map(int, event["groups"])) for event in assigned] == \
+    events = [m for m in read_metrics(tmp_path / "run") if m.get("type") == "event"]
+    assert [sorted(map(int, event["groups"])) for event in events if event["event"] == "stages_assigned"] == \
         [[k for k, size in enumerate(layout) if size > 1]]
+    # the members beyond each group's first hold a stage: not idle workers to weigh at placement checks
+    assert not [event for event in events if event["event"] == "placement_check"]
+    steps = [m for m in read_metrics(tmp_path / "run") if m.get("type") == "step"]
+    assert len(steps) == STEPS
+    for k, size in enumerate(layout):  # each step line has every member's own times; the last stage scores all rows
+        members = [stage.get("members", []) for line in steps for stage in line["stages"] if stage["stage"] == k]
+        assert all(len(m) == (size if size > 1 else 0) for m in members)
+    if layout[-1] > 1:
+        assert all(sum(m["samples"] for m in line["stages"][-1]["members"]) == 64 for line in steps)
+
+
+def test_a_group_that_stashes_activations_trains_as_one_device(mlp, cluster, one_device, tmp_path):
+    """``--memory-mode stash``: a member keeps what its forward saved for its own rows; 1f1b, 0.7/0.3 in the
+    middle and 0.5/0.5 holding the loss."""
+    members = members_of(cluster.urls, (1, 2, 2))
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3, training=TrainingConfig(learning_rate=0.05)))
+    write_groups(plan, members, ((1.0,), (0.7, 0.3), (0.5, 0.5)))
+    summary = run(plan, [url for group in members for url in group], tmp_path / "run", "1f1b", memory_mode="stash")
+    assert summary.steps == STEPS
+    difference = largest_relative_difference(parameters(tmp_path / "run", 3), one_device["1f1b"])
+    print(f"stash, 1f1b (1, 2, 2): largest relative parameter difference {difference:.2e}")
+    assert difference < 1e-5
 
 
 def test_under_async_a_group_trains_as_its_stage_on_one_worker(mlp, cluster, tmp_path):
@@ -224,6 +247,17 @@ def test_a_run_is_refused_when_the_workers_do_not_match_the_groups(mlp, tmp_path
                                             r"but 3 worker\(s\) were given"):
         train(TrainConfig(plan_dir=plan, workers=tuple(urls[:3]), out_dir=tmp_path / "out",
                           listen="coap+tcp://127.0.0.1:0", progress=False))
+    write_groups(plan, [urls[:1], urls[1:3], urls[3:]], [(1.0,), (0.7, -0.3), (1.0,)])
+    with pytest.raises(TrainingError, match=r"stage 1's group: group shares must be positive numbers: \[0.7, -0.3\]"):
+        train(TrainConfig(plan_dir=plan, workers=tuple(urls), out_dir=tmp_path / "out3",
+                          listen="coap+tcp://127.0.0.1:0", progress=False))
+    placement = json.loads((plan / PLACEMENT_NAME).read_text())
+    placement["stages"][1]["shares"] = [0.5, 0.3, 0.2]
+    (plan / PLACEMENT_NAME).write_text(json.dumps(placement))
+    with pytest.raises(TrainingError, match=r"stage 1 lists 2 device\(s\), 2 URL\(s\) and 3 share\(s\)"):
+        train(TrainConfig(plan_dir=plan, workers=tuple(urls), out_dir=tmp_path / "out4",
+                          listen="coap+tcp://127.0.0.1:0", progress=False))
+    write_groups(plan, [urls[:1], urls[1:3], urls[3:]], [(1.0,), (0.7, 0.3), (1.0,)])
     with pytest.raises(TrainingError, match=r"a micro-batch of 1 sample\(s\) cannot be split across a group of 2"):
         train(TrainConfig(plan_dir=plan, workers=tuple(urls), out_dir=tmp_path / "out2", batch_size=4,
                           micro_batches=4, listen="coap+tcp://127.0.0.1:0", progress=False))

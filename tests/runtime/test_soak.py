@@ -126,7 +126,7 @@ def _train(plan: Path, workers: list[str], out: Path, listen: str, keys: Path) -
     return subprocess.Popen([sys.executable, "-m", "edgert", "train", str(plan), "--workers", ",".join(workers),
                              "--out", str(out), "--steps", str(STEPS), "--listen", listen, "--keys", str(keys),
                              *options],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=(out.parent / "coordinator.log").open("w"))
 
 
 def _wait(tail: MetricsTail, condition, process: subprocess.Popen, what: str, timeout: float = 120.0) -> None:
@@ -135,7 +135,10 @@ def _wait(tail: MetricsTail, condition, process: subprocess.Popen, what: str, ti
         tail.poll()
         if condition():
             return
-        assert process.poll() is None, f"the coordinator ended (code {process.returncode}) before {what}"
+        log = Path(process.args[process.args.index("--out") + 1]).parent / "coordinator.log" \
+            if "--out" in process.args else None
+        assert process.poll() is None, (f"the coordinator ended (code {process.returncode}) before {what}: "
+                                        f"{log.read_text()[-2000:] if log and log.is_file() else ''}")
         assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
         time.sleep(0.02)
 
