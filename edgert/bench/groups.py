@@ -14,6 +14,12 @@ each computation lasts F times its compute time, sleeping without a core):
    ``weighted_vs_equal_shares``. Every member steps the whole model's optimizer, and the
    slowest does so 4x slower whatever its share: that fixed cost is the same in both runs
    and shrinks the ratio, so this part trains larger batches (``--shares-batch-size``).
+3. ``kill``: ``mlp-deep`` in 3 stages on 4 devices (``--slowdown``), the middle stage held by a
+   0.5/0.5 group; one member is SIGKILLed after step ``--kill-at``. The coordinator drops it and
+   re-spreads its share over the group, with no re-cut, and replays the steps since the last
+   snapshot (docs/FAULTS.md, "Groups"). Figures: ``group_kill_to_next_step_s`` (seconds from the
+   SIGKILL to the first step completed after the recovery), ``group_recovery_s`` (the
+   coordinator's own count, from noticing the failure to resuming), ``group_steps_lost``.
 
 Each rate is the steady samples/s after ``--warmup`` steps. Run by ``edgert bench groups``
 (edgert/cli/bench.py); ``--part`` runs one of the two.
@@ -27,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from edgert.bench.faults import run_and_kill
 from edgert.bench.harness import (
     Progress,
     Target,
@@ -68,8 +75,9 @@ class BenchConfig:
     slowdown: float = option(12.0, "Emulated slowdown of the hybrid part's devices.")
     shares_slowdown: float = option(4.0, "Emulated slowdown of the shares part's fastest device (the others 2, 3, "
                                          "4 times it).")
-    part: str = option("all", "The hybrid placement, the speed-weighted shares, or both.",
-                       choices=("all", "hybrid", "shares"))
+    kill_at: int = option(10, "Step after which a group member is SIGKILLed (the kill part).")
+    part: str = option("all", "The hybrid placement, the speed-weighted shares, a member killed, or all three.",
+                       choices=("all", "hybrid", "shares", "kill"))
     progress: Progress = progress_field()
 
     def micro_batch(self, batch_size: int) -> int:
@@ -84,7 +92,8 @@ class BenchConfig:
 def targets(_: dict[str, Any] | None = None) -> list[Target]:
     """What the figures are held to (issue 17)."""
     return [Target("hybrid_vs_pipeline", ">=", 1.4, "hybrid over the best pure pipeline, 6 equal devices"),
-            Target("weighted_vs_equal_shares", ">=", 1.3, "speed-weighted over equal shares, a group with a 4x spread")]
+            Target("weighted_vs_equal_shares", ">=", 1.3, "speed-weighted over equal shares, a group with a 4x spread"),
+            Target("group_recovery_s", "<=", 1.0, "a group member killed: seconds to resume, share re-spread")]
 
 
 def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
@@ -101,6 +110,10 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
             part_rows, weighted = _shares(config, scratch / "shares")
             rows += part_rows
             ratios["weighted_vs_equal_shares"] = weighted
+        if config.part in ("all", "kill"):
+            row, figures = _kill(config, scratch / "kill")
+            rows.append(row)
+            ratios.update(figures)
     return result(rows, ratios, schedule=config.schedule, micro_batches=config.micro_batches,
                   emulation="every device sleeps (slowdown-1)x its compute time; the workers share this host's cores")
 
@@ -159,6 +172,37 @@ def _shares(config: BenchConfig, folder: Path) -> tuple[list[dict[str, Any]], fl
     return rows, ratio(rates["weighted"], rates["equal"], 3)
 
 
+def _kill(config: BenchConfig, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A member of a 0.5/0.5 group SIGKILLed mid-run: how long until training goes on, and what was lost."""
+    folder.mkdir(parents=True)
+    model = folder / "model.onnx"
+    save_model(build_model("mlp-deep"), model)
+    plan = folder / "plan"
+    manifest = export_plan(model, plan, ExportOptions(stages=3, training=TrainingConfig()))
+    names = ["s0", "s1a", "s1b", "s2"]
+    with LocalCluster(len(names), slowdowns=[f"{config.slowdown:g}"] * len(names), names=names) as cluster:
+        stages = [PlannedStage(k, entry.blocks, names[k if k == 0 else k + 1], cluster.urls[k if k == 0 else k + 1],
+                               0.0, 1, 1) for k, entry in enumerate(manifest.stages)]
+        stages[1] = replace(stages[1], device="s1a", url=cluster.urls[1], devices=("s1a", "s1b"),
+                            urls=(cluster.urls[1], cluster.urls[2]), shares=(0.5, 0.5))
+        _write_placement(plan, tuple(stages), config.batch_size, config)
+        out = folder / "run"
+        outcome = run_and_kill(lambda: train_run(plan, cluster.urls, out, steps=config.steps, epochs=100,
+                                                 batch_size=config.batch_size, micro_batches=config.micro_batches,
+                                                 schedule=config.schedule, replicate_every=5),
+                               cluster, out, [2], lambda health, step: step >= config.kill_at)
+    recovery = next(e for e in outcome.kill.events("recovery"))
+    row = {"run": "group_member_killed", "model": "mlp-deep", "stages": ["s0", "s1a+s1b", "s2"], "killed": "s1b",
+           "killed_after_step": outcome.kill.step, "regrouped": recovery["regrouped"],
+           "resume_step": recovery["resume_step"], "workers_after": recovery["workers"]}
+    return row, {"group_kill_to_next_step_s": _rounded(outcome.kill.resumed_after_s()),
+                 "group_recovery_s": recovery["total_s"], "group_steps_lost": recovery["steps_lost"]}
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _speeds(devices: DevicesFile, names: list[str]) -> tuple[float, ...]:
     """Each device's speed on the whole model (1 / its profiled forward + backward time), by ``names``."""
     by_name = {d.name: d for d in devices.devices}
@@ -173,14 +217,19 @@ def _speeds(devices: DevicesFile, names: list[str]) -> tuple[float, ...]:
 
 def _write_group_placement(plan: Path, blocks: tuple[str, ...], names: list[str], urls: list[str],
                            shares: tuple[float, ...], config: BenchConfig) -> None:
-    """``placement.json`` for one stage held by every worker of ``urls`` with ``shares`` (as edgert plan writes)."""
+    """``placement.json`` for one stage held by every worker of ``urls`` with ``shares``."""
     total = sum(shares)
     stage = PlannedStage(0, tuple(blocks), names[0], urls[0], 0.0, 1, 1)
     stage = replace(stage, devices=tuple(names), urls=tuple(urls), shares=tuple(s / total for s in shares))
-    placement = PlannedPlacement(stages=(stage,), link_codecs=(), link_ms=(), bottleneck_ms=0.0,
-                                 predicted_step_ms=0.0, unused_devices=(), schedule=config.schedule,
-                                 batch_size=config.shares_batch_size, micro_batches=config.micro_batches,
-                                 memory_mode="recompute")
+    _write_placement(plan, (stage,), config.shares_batch_size, config)
+
+
+def _write_placement(plan: Path, stages: tuple[PlannedStage, ...], batch_size: int, config: BenchConfig) -> None:
+    """``placement.json`` for ``stages``, as ``edgert plan`` writes it (no link codec: ``none``)."""
+    placement = PlannedPlacement(stages=stages, link_codecs=("none",) * (len(stages) - 1),
+                                 link_ms=(0.0,) * (len(stages) - 1), bottleneck_ms=0.0, predicted_step_ms=0.0,
+                                 unused_devices=(), schedule=config.schedule, batch_size=batch_size,
+                                 micro_batches=config.micro_batches, memory_mode="recompute")
     (plan / PLACEMENT_NAME).write_text(json.dumps(asdict(placement), indent=2) + "\n")
 
 
