@@ -13,7 +13,9 @@ Map of the package:
 - ``recovery.py``   ``edgert bench recovery``: a SIGKILL mid-step, recovery vs restart, replication's cost
 - ``faults.py``     fault injection shared with the tests: kill workers mid-step, tail ``metrics.jsonl``
 - ``pipeline.py``   ``edgert bench pipeline``: edgert's overhead over bare ORT, 1F1B's pipeline efficiency
+- ``torch_peer.py`` the torch.distributed.pipelining peer of ``edgert bench pipeline`` (where torch is installed)
 - ``hetero.py``     ``edgert bench hetero``: planned vs equal cuts vs the ideal on unequal devices, re-planning
 - ``elastic.py``    ``edgert bench elastic``: a device that joins mid-run, steps until it computes
+- ``groups.py``     ``edgert bench groups``: hybrid placements vs the best pipeline, speed-weighted vs equal shares
 - ``portable.py``   ``edgert bench portable``: portable stage graphs vs the training build's, stage by stage
 """

@@ -33,6 +33,7 @@ BENCHMARKS = {
     "hetero": (True, "Planned cuts vs equal cuts vs the ideal on 1/2/5/10x devices, and live re-planning."),
     "portable": (True, "Portable stage graphs vs the training build's, stage by stage."),
     "elastic": (True, "A device joins a run of slow devices mid-run: steps until it computes, the rate after."),
+    "groups": (True, "Hybrid placements on 6 equal devices vs the best pipeline; speed-weighted vs equal shares."),
 }
 
 

@@ -38,7 +38,7 @@ from edgert.coordinator.run_summary import RunSummary, joined_workers, summarise
 from edgert.coordinator.runlog import RUN_FILE, RunLog, claim_run_folder, new_run_id
 from edgert.coordinator.segments import SegmentRunner, next_segment
 from edgert.coordinator.snapshots import CentralCopies
-from edgert.coordinator.stage_groups import check_splittable, place_workers, planned_shares
+from edgert.coordinator.stage_groups import check_splittable, groups_record, place_workers, planned_shares
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, TrainingConfig, load_manifest
 from edgert.protocol import HEALTH, REPORT, STOP, Health
@@ -313,8 +313,7 @@ class Coordinator:
         except EdgertError as error:
             raise TrainingError(str(error)) from None
         self.ledger.configure(state.names, [len(state.members(k)) for k in range(len(state.order))])
-        groups = {k: {"workers": [state.known[url] for url in group.members], "shares": list(group.shares)}
-                  for k, group in enumerate(state.groups) if group is not None}
+        groups = groups_record(state.groups, state.known)
         self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=state.names,
                        cuts=list(state.manifest.cuts), **({"groups": groups} if groups else {}))
         self.log.event("links", links=links_record(state.names, links))

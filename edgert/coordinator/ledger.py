@@ -109,7 +109,7 @@ class StepLedger:
         """How many steps the model has taken (steps run in order from 0)."""
         return self.done_through + 1
 
-    def restart(self, names: list[str], after: int) -> list[int]:
+    def restart(self, names: list[str], after: int, members: list[int] | None = None) -> list[int]:
         """Training goes on from step ``after + 1`` on these workers: later steps are forgotten.
 
         Steps up to ``after`` that never completed here are in the snapshot's weights (a worker
@@ -122,7 +122,7 @@ class StepLedger:
         self.completed_through = min(self.completed_through, after)
         self.recent = deque((r for r in self.recent if r.step <= after), maxlen=self.recent.maxlen)
         self.failure = None
-        self.configure(names)
+        self.configure(names, members)
         self.reset_timing()
         return vouched
 

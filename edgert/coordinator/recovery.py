@@ -27,7 +27,9 @@ from edgert.coordinator.run_state import RunState
 from edgert.coordinator.run_summary import count_events
 from edgert.coordinator.runlog import RunLog
 from edgert.coordinator.snapshots import COORDINATOR, CentralCopies, gather_holdings, newest_snapshot, sources_for
+from edgert.coordinator.stage_groups import groups_record, without_failed
 from edgert.errors import EdgertError, ReplicaStoreFull
+from edgert.groups import StageGroup
 from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.protocol import MIGRATE, REPLICA, STOP, WEIGHTS
 from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TooLarge, TransportError
@@ -116,25 +118,34 @@ class Recovery:
         names = {p.name for stage in state.manifest.stages for p in stage.parameters}
         snapshot = newest_snapshot(holdings, names)  # None: no copy yet, start over from the initial state
         planned = time.monotonic()
-        workers = [state.known[u] for u in survivors]  # however many: idle ones that joined too
-        folder = self._out_dir / "plans" / f"recovery{self._recoveries + 1}"
-        manifest, order, new_names = await self._replanning.placement_for(state.manifest, workers, folder)
+        regrouped = without_failed(state.order, state.groups, failed)
+        if regrouped is None:  # a stage lost every worker (or no group lost one): re-cut for the survivors
+            workers = [state.known[u] for u in survivors]  # however many: idle ones that joined too
+            folder = self._out_dir / "plans" / f"recovery{self._recoveries + 1}"
+            manifest, order, new_names = await self._replanning.placement_for(state.manifest, workers, folder)
+            groups: list[StageGroup | None] = []
+        else:  # the failed members' shares are re-spread over their groups: the same cuts, no plan to build
+            manifest, folder = state.manifest, state.plan_dir
+            order, groups = regrouped
+            new_names = [state.known[u] for u in order]
         built = time.monotonic()
-        links = await assign(self._client, manifest, folder, order, new_names, state.settings)
-        moved = await self._restore(manifest, order, snapshot, holdings)
+        links = await assign(self._client, manifest, folder, order, new_names, state.settings, groups)
+        moved = await self._restore(manifest, order, snapshot, holdings, groups)
         self._recoveries += 1
-        state.place(manifest, folder, order, new_names)
+        state.place(manifest, folder, order, new_names, groups)
         self._evaluation.use_plan(folder, manifest)
         self._failures.recovered(failed)  # a worker that died meanwhile (an idle one, say) is recovered from next
         after = snapshot if snapshot is not None else -1
-        from_snapshot = self._ledger.restart(state.names, after=after)
+        from_snapshot = self._ledger.restart(state.names, after=after,
+                                             members=[len(state.members(k)) for k in range(len(order))])
         resume = after + 1
         total = time.monotonic() - noticed_at
         self._log.event("recovery", failed=sorted(failed), detection_s=round(detected - noticed_at, 3),
                         snapshot_step=snapshot, resume_step=resume, steps_lost=max(lost_at - after, 0),
                         steps_from_snapshot=from_snapshot,
                         replan_s=round(built - planned, 3), transfer_s=round(moved, 3), total_s=round(total, 3),
-                        new_cuts=list(manifest.cuts), workers=state.names)
+                        new_cuts=list(manifest.cuts), workers=state.names, regrouped=regrouped is not None,
+                        **({"groups": groups_record(groups, state.known)} if any(groups) else {}))
         self._log.event("links", before_step=resume, links=links_record(state.names, links))
         self._progress.message(f"recovered from the failure of {', '.join(sorted(failed))}: resumed at step "
                                f"{resume} on {len(order)} worker(s) in {total:.2f} s")
@@ -150,15 +161,16 @@ class Recovery:
             self._state.known.pop(url, None)
         return survivors
 
-    async def _restore(self, manifest: Manifest, order: list[str], snapshot: int | None, holdings: dict) -> float:
-        """Every new stage pulls its state as of ``snapshot`` (None: the initial state it was built with)."""
+    async def _restore(self, manifest: Manifest, order: list[str], snapshot: int | None, holdings: dict,
+                       groups: list[StageGroup | None] | None = None) -> float:
+        """Every new stage's workers (a group's every member) pull its state as of ``snapshot`` (None: the initial
+        state it was built with)."""
         started = time.monotonic()
         if snapshot is None:
             return 0.0
         coordinator_url = self._state.settings.coordinator_url
 
-        async def pull(k: int) -> None:
-            url = order[k]
+        async def pull(k: int, url: str) -> None:
             names = [p.name for p in manifest.stages[k].parameters]
             request = sources_for(snapshot, names, url, holdings, coordinator_url)
             try:
@@ -166,7 +178,9 @@ class Recovery:
             except TransportError as error:
                 raise EdgertError(f"worker {url} could not restore its state: {error}") from None
 
-        await asyncio.gather(*(pull(k) for k in range(len(order))))
+        groups = groups or []
+        await asyncio.gather(*(pull(k, url) for k in range(len(order))
+                               for url in (groups[k].members if k < len(groups) and groups[k] else (order[k],))))
         return time.monotonic() - started
 
     async def _stop(self, url: str) -> None:

@@ -35,11 +35,12 @@ class RunState:
     settings: RunBriefing | None = None  # what every stage assignment of this run carries
     groups: list[StageGroup | None] = field(default_factory=list)  # each stage's group (None: ``order[k]`` alone)
 
-    def place(self, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str]) -> None:
-        """The cuts moved: ``manifest``'s stages (built in ``plan_dir``) run on ``order``, named ``names``, one
-        worker per stage."""
+    def place(self, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str],
+              groups: list[StageGroup | None] | None = None) -> None:
+        """The placement changed: ``manifest``'s stages (built in ``plan_dir``) run on ``order``, named ``names``,
+        with ``groups`` (none: one worker per stage)."""
         self.manifest, self.plan_dir, self.order, self.names = manifest, plan_dir, order, list(names)
-        self.groups = []
+        self.groups = list(groups or [])
 
     def group(self, stage: int) -> StageGroup | None:
         """The group holding ``stage`` (None: its worker ``order[stage]`` alone)."""

@@ -69,6 +69,38 @@ def check_splittable(groups: list[StageGroup | None], batch_size: int, micro_bat
                             f"raise --batch-size or lower --micro-batches")
 
 
+def without_failed(order: list[str], groups: list[StageGroup | None],
+                   failed: set[str]) -> tuple[list[str], list[StageGroup | None]] | None:
+    """The placement with the ``failed`` workers dropped from their groups, each group's share re-spread over
+    the members left (in proportion to their shares): no re-cut (Asteroid). None when no group lost a member,
+    or when a stage lost every worker (a re-cut is needed)."""
+    new_order, new_groups, dropped = [], [], False
+    for k, url in enumerate(order):
+        group = groups[k] if k < len(groups) else None
+        if group is None:
+            if url in failed:
+                return None
+            new_order.append(url)
+            new_groups.append(None)
+            continue
+        kept = [i for i, member in enumerate(group.members) if member not in failed]
+        if not kept:
+            return None
+        dropped = dropped or len(kept) < group.size
+        members = tuple(group.members[i] for i in kept)
+        new_order.append(members[0])
+        new_groups.append(None if len(kept) == 1 else StageGroup(
+            members, tuple(group.shares[i] for i in kept), tuple(group.names[i] for i in kept) if group.names else ()))
+    return (new_order, new_groups) if dropped else None
+
+
+def groups_record(groups: list[StageGroup | None], known: dict[str, str]) -> dict[int, dict[str, list]]:
+    """The ``groups`` field of ``stages_assigned`` and ``recovery`` (docs/RUNS.md): each group's workers and shares."""
+    return {k: {"workers": [known.get(url, url) for url in group.members],
+                "shares": [round(share / sum(group.shares), 6) for share in group.shares]}
+            for k, group in enumerate(groups) if group is not None}
+
+
 def member_rows(group: StageGroup | None, member: int, sizes: list[int]) -> np.ndarray:
     """The positions, in a step's batch made of micro-batches of ``sizes``, of the rows ``member`` owns."""
     if group is None:

@@ -1,0 +1,29 @@
+"""``edgert bench groups``: hybrid placements and speed-weighted shares, each run short and checked for sense."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_the_benchmark_trains_a_hybrid_and_weighted_shares():
+    command = [sys.executable, "-m", "edgert", "bench", "groups", "--json", "--steps", "12", "--warmup", "3",
+               "--shares-batch-size", "256", "--kill-at", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout)
+    rows = {row["run"]: row for row in outcome["rows"]}
+    assert set(rows) == {"pipeline", "hybrid", "weighted_shares", "equal_shares", "group_member_killed"}
+    assert all("+" not in stage for stage in rows["pipeline"]["stages"])  # a pure pipeline: one device a stage
+    assert any("+" in stage for stage in rows["hybrid"]["stages"])  # the planner chose a group for cnn
+    assert rows["hybrid"]["predicted_step_ms"] < rows["pipeline"]["predicted_step_ms"]
+    weighted = rows["weighted_shares"]["shares"]
+    assert weighted == sorted(weighted, reverse=True) and weighted[0] > 2 * weighted[-1]  # 1x..4x devices
+    assert rows["equal_shares"]["shares"] == [0.25] * 4
+    assert outcome["ratios"]["hybrid_vs_pipeline"] > 1.0 and outcome["ratios"]["weighted_vs_equal_shares"] > 1.0
+    killed = rows["group_member_killed"]
+    assert killed["regrouped"] is True and killed["workers_after"] == ["s0", "s1a", "s2"]
+    assert 0 <= outcome["ratios"]["group_steps_lost"] <= 6 and outcome["ratios"]["group_kill_to_next_step_s"] > 0
