@@ -147,7 +147,7 @@ class StageExecutor:
         started = self._clock()
         outputs = self.session.forward(inputs, kept)
         self._computed(report, "forward_ms", f"F{batch.step}.{batch.index}", started, batch.step,
-                       (Computation.FORWARD, batch.size))
+                       (Computation.FORWARD, self._rows(batch)))
         self._send(self._send_forward, batch.key, outputs, report, self._piece_rows("next", batch))
 
     def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
@@ -165,7 +165,7 @@ class StageExecutor:
             result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
                                            loss_scale=batch.loss_scale * self._rows(batch) / batch.size, saved=kept)
         self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step,
-                       (Computation.BACKWARD, batch.size))
+                       (Computation.BACKWARD, self._rows(batch)))
         if self.is_last:
             self._score(report, self._rows(batch), result.loss, result.prediction, labels)
         if not self.is_first and result.input_gradients:
