@@ -6,7 +6,7 @@ each computation lasts F times its compute time, sleeping without a core):
 1. ``hybrid``: 6 equal devices (``--slowdown``) and a model whose heaviest block is at least
    a quarter of its work (``cnn``: its two conv blocks are 0.48 and 0.47 of its FLOPs).
    ``edgert profile`` measures them; the planner places the model without groups (the best
-   pure pipeline it finds on the 6) and with them (``edgert plan --groups``); both train
+   pure pipeline it finds on the 6, ``edgert plan --no-groups``) and with them; both train
    the same steps. Ratio ``hybrid_vs_pipeline``: samples/s of the hybrid over the pipeline.
 2. ``shares``: one group of 4 devices at 1, 2, 3 and 4 times ``--shares-slowdown`` (a 4x
    speed spread) holding the whole model (data parallelism alone), with each member's share
@@ -66,8 +66,8 @@ class BenchConfig:
     model: str = option("cnn", "Zoo model of the hybrid part (its heaviest block should be >= 25% of its work).")
     shares_model: str = option("mlp-deep", "Zoo model of the shares part.")
     batch_size: int = option(128, "Samples per step of the hybrid part.")
-    shares_batch_size: int = option(512, "Samples per step of the shares part (every member steps the whole "
-                                         "model's optimizer, so a small batch lets that cost hide the shares).")
+    shares_batch_size: int = option(1024, "Samples per step of the shares part (every member steps the whole "
+                                          "model's optimizer, so a small batch lets that cost hide the shares).")
     micro_batches: int = option(4, "Micro-batches per step.")
     steps: int = option(30, "Steps of each run.")
     warmup: int = option(5, "Steps left out of each rate.")

@@ -40,11 +40,11 @@ def test_plan_offers_a_group_when_it_pays_and_train_runs_it(tmp_path):
         devices = devices_json(tmp_path / "mlp.onnx", cluster.urls, tmp_path / "devices.json")
         runner = CliRunner()
         without = runner.invoke(main, ["plan", str(tmp_path / "mlp.onnx"), "--devices", str(devices), "-o",
-                                       str(tmp_path / "plain"), "--json"])
+                                       str(tmp_path / "plain"), "--json", "--no-groups"])
         assert without.exit_code == 0, without.output
         assert all(not stage["devices"] for stage in json.loads(without.output.splitlines()[-1])["stages"])
         shown = runner.invoke(main, ["plan", str(tmp_path / "mlp.onnx"), "--devices", str(devices), "-o",
-                                     str(tmp_path / "grouped"), "--groups"])
+                                     str(tmp_path / "grouped")])  # groups are offered by default
         assert shown.exit_code == 0, shown.output
         placement = load_placement(tmp_path / "grouped")
         (stage,) = placement.stages  # the whole model on both devices, each half of every micro-batch
