@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgert.coordinator.replanning")
 
+GROUPED_PLACEMENT = ("the placement has groups, which the live re-planner does not cost; a joined worker is "
+                     "not added to a group yet")
 SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
 QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled worker is measured
 
@@ -113,7 +115,11 @@ class Replanning:
         # right after a re-plan, the new placement's own times (not the old ones) are checked soon
         recheck = auto and self._recheck and self._since_check > SHIFT_WINDOW
         # the re-planner costs one worker a stage: a placement with groups is not weighed against idle workers
-        weigh_idle = bool(self.idle_workers()) and not any(self._state.groups)
+        grouped = any(self._state.groups)
+        if grouped and self._membership_changed:
+            self._membership_changed = False
+            self._report_idle(f"keep: {GROUPED_PLACEMENT}")
+        weigh_idle = bool(self.idle_workers()) and not grouped
         periodic = (auto or weigh_idle) and self._since_check >= config.replan_every
         if not (periodic or shifted or recheck or self._membership_changed):
             return None

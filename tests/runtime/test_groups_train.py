@@ -2,6 +2,8 @@
 that split every micro-batch, and the trained parameters equal one device's on the same batches."""
 
 import json
+import threading
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -17,9 +19,10 @@ from edgert.exporter.export import ExportOptions, export_plan
 from edgert.groups import StageGroup
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, save_model
-from edgert.protocol import WEIGHTS
-from edgert.transport import ClientConfig, SyncClient
+from edgert.protocol import JOIN, WEIGHTS
+from edgert.transport import ClientConfig, Envelope, SyncClient
 from edgert.weights import StageState, load_state
+from tests.running_coordinator import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -277,3 +280,40 @@ def test_the_coordinator_splits_workers_into_groups_and_each_member_gets_its_row
     check_splittable(groups, 8, 4, "1f1b")
     with pytest.raises(TrainingError, match=r"a micro-batch of 1 sample\(s\) cannot be split across a group of 2"):
         check_splittable(groups, 7, 4, "gpipe")
+
+
+def test_a_worker_that_joins_a_run_with_groups_is_kept_idle_and_told_why(mlp, cluster, one_device, tmp_path):
+    """The live re-planner does not cost groups: a joined worker is recorded, kept idle with that reason, and
+    the groups train on undisturbed."""
+    members = members_of(cluster.urls, (1, 2, 1))
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3, training=TrainingConfig(learning_rate=0.05)))
+    write_groups(plan, members, ((1.0,), (0.5, 0.5), (1.0,)))
+    listen = f"coap+tcp://127.0.0.1:{free_port()}"
+    config = TrainConfig(plan_dir=plan, workers=tuple(url for group in members for url in group),
+                         out_dir=tmp_path / "run", steps=STEPS, batch_size=64, micro_batches=4, schedule="1f1b",
+                         listen=listen, progress=False, replan_every=2)
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(summary=train(config)))
+    thread.start()
+    while not [m for m in read_metrics_if_any(tmp_path / "run") if m.get("type") == "step"]:
+        assert thread.is_alive()
+        time.sleep(0.05)
+    with SyncClient.start() as client:
+        client.post(listen, JOIN, Envelope("control", meta={"url": cluster.urls[4]}), timeout=60)
+    thread.join(300)
+    assert done["summary"].steps == STEPS
+    events = [m for m in read_metrics(tmp_path / "run") if m.get("type") == "event"]
+    late = cluster.names[4]  # the name the worker gives itself
+    assert [e["worker"] for e in events if e["event"] == "join"] == [late]
+    kept = [e for e in events if e["event"] == "join_kept_idle"]
+    assert len(kept) == 1 and kept[0]["worker"] == late and "placement has groups" in kept[0]["reason"]
+    assert not [e for e in events if e["event"] in ("replan", "placement_check")]
+    assert largest_relative_difference(parameters(tmp_path / "run", 3), one_device["1f1b"]) < 1e-5
+
+
+def read_metrics_if_any(out):
+    try:
+        return read_metrics(out)
+    except FileNotFoundError:
+        return []
