@@ -121,18 +121,17 @@ class Coordinator:
         if not config.resume:  # before anything is loaded: a folder holding another run is refused at once
             claim_run_folder(config.out_dir, config.overwrite)
         manifest = load_manifest(config.plan_dir)
+        shares = planned_shares(config.plan_dir, len(manifest.stages))
         if config.resume:
-            if any(len(shares) > 1 for shares in planned_shares(config.plan_dir, len(manifest.stages))):
+            if any(len(stage_shares) > 1 for stage_shares in shares):
                 raise TrainingError(f"{config.plan_dir}: resuming a run whose plan has groups is not supported yet")
             order, groups = list(config.workers), []
-        else:
-            order, groups = place_workers(list(config.workers), planned_shares(config.plan_dir, len(manifest.stages)))
-            check_splittable(groups, config.batch_size, config.micro_batches, config.schedule)
-        if config.resume:
             saved = read_run_file(config.out_dir)
             # a run folder written before runs had their own ids is named by its folder
             run_id, self.started = str(saved.get("run_id") or config.out_dir.name), saved.get("started")
         else:
+            order, groups = place_workers(list(config.workers), shares)
+            check_splittable(groups, config.batch_size, config.micro_batches, config.schedule)
             run_id, self.started = new_run_id(), time.time()
         self.state = RunState(run_id, manifest, config.plan_dir, order, groups=groups)
         self.dataset = load_training_data(config.data, manifest, config.seed)
@@ -312,7 +311,7 @@ class Coordinator:
                                  state.settings, state.groups)
         except EdgertError as error:
             raise TrainingError(str(error)) from None
-        self.ledger.configure(state.names, [len(state.members(k)) for k in range(len(state.order))])
+        self.ledger.configure(state.names, state.member_counts())
         groups = groups_record(state.groups, state.known)
         self.log.event("stages_assigned", seconds=round(time.perf_counter() - started, 3), workers=state.names,
                        cuts=list(state.manifest.cuts), **({"groups": groups} if groups else {}))

@@ -136,8 +136,7 @@ class Recovery:
         self._evaluation.use_plan(folder, manifest)
         self._failures.recovered(failed)  # a worker that died meanwhile (an idle one, say) is recovered from next
         after = snapshot if snapshot is not None else -1
-        from_snapshot = self._ledger.restart(state.names, after=after,
-                                             members=[len(state.members(k)) for k in range(len(order))])
+        from_snapshot = self._ledger.restart(state.names, after=after, members=state.member_counts())
         resume = after + 1
         total = time.monotonic() - noticed_at
         self._log.event("recovery", failed=sorted(failed), detection_s=round(detected - noticed_at, 3),

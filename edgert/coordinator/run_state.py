@@ -55,6 +55,10 @@ class RunState:
         """The names of the workers holding each stage (a group's members, else its one worker)."""
         return [tuple(self.known.get(url, "") for url in self.members(k)) for k in range(len(self.order))]
 
+    def member_counts(self) -> list[int]:
+        """How many workers hold each stage (the ledger waits for each one's report)."""
+        return [len(self.members(k)) for k in range(len(self.order))]
+
     def placed(self) -> list[str]:
         """Every worker holding a stage, stage after stage."""
         return [url for k in range(len(self.order)) for url in self.members(k)]

@@ -24,7 +24,7 @@ from edgert.coordinator.run_state import RunState
 from edgert.coordinator.stage_groups import member_rows
 from edgert.models.datasets import Dataset
 from edgert.protocol import BATCH, INBOX_CAPACITY, MAX_SEGMENT_STEPS, RUN, Segment, hold_envelope, truncate_envelope
-from edgert.schedule import Schedule, split_batch, steps_ahead
+from edgert.schedule import Schedule, microbatches_per_step, split_batch, steps_ahead
 from edgert.transport import Envelope, TensorClient
 
 if TYPE_CHECKING:
@@ -142,8 +142,8 @@ class SegmentRunner:
         state, config = self._state, self._config
         inputs = state.manifest.model_input[0].name, self._dataset.x_train[batch.indices]
         labels = state.manifest.labels[0].name, self._dataset.y_train[batch.indices]
-        sizes = [config.batch_size] if config.schedule == Schedule.ASYNC else \
-            [m.size for m in split_batch(batch.step, config.batch_size, config.micro_batches)]
+        sizes = [m.size for m in split_batch(batch.step, config.batch_size,
+                                             microbatches_per_step(config.schedule, config.micro_batches))]
         messages: dict[str, dict[str, np.ndarray]] = {}
         last = len(state.order) - 1
         for stage, (name, values) in ((0, inputs), (last, labels)):

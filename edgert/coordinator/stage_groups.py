@@ -16,7 +16,7 @@ from edgert.coordinator.errors import TrainingError
 from edgert.errors import EdgertError
 from edgert.exporter.device_plan import PLACEMENT_NAME, load_placement
 from edgert.groups import StageGroup
-from edgert.schedule import Schedule, split_batch
+from edgert.schedule import microbatches_per_step, split_batch
 
 
 def planned_shares(plan_dir: Path, stages: int) -> list[tuple[float, ...]]:
@@ -63,7 +63,7 @@ def place_workers(workers: list[str], shares: list[tuple[float, ...]],
 def check_splittable(groups: list[StageGroup | None], batch_size: int, micro_batches: int, schedule: str) -> None:
     """Every member of a group gets at least one row of the smallest micro-batch, or the run is refused."""
     largest = max((g.size for g in groups if g is not None), default=1)
-    sizes = [batch_size] if schedule == Schedule.ASYNC else [m.size for m in split_batch(0, batch_size, micro_batches)]
+    sizes = [m.size for m in split_batch(0, batch_size, microbatches_per_step(schedule, micro_batches))]
     if min(sizes) < largest:
         raise TrainingError(f"a micro-batch of {min(sizes)} sample(s) cannot be split across a group of {largest}: "
                             f"raise --batch-size or lower --micro-batches")
