@@ -85,6 +85,11 @@ class Inbox:
         if len(self._taken_order) > REMEMBERED_KEYS:
             self._taken.discard(self._taken_order.popleft())
 
+    @property
+    def aborted(self) -> str | None:
+        """Why the run this inbox served was stopped (None while one runs, or before the first)."""
+        return self._aborted
+
     def abort(self, reason: str) -> None:
         """Wake every waiter with :class:`InboxAborted`; later waits fail at once too."""
         with self._condition:

@@ -61,7 +61,7 @@ class StageInputs:
         expected = (list(entry.inputs) if entry.index == 0 else []) + list(entry.labels)
         if not expected:
             raise BadRequest(f"stage {entry.index} is neither the first nor the last: it takes no /{BATCH}")
-        microbatches = announced_microbatches(current.announced(), envelope.step, current.health.step, BATCH)
+        microbatches = self._announced(envelope.step, BATCH)
         if microbatches is None:
             return  # a late duplicate: nothing kept
         routing = current.assignment.routing
@@ -93,10 +93,10 @@ class StageInputs:
             if envelope.stage != entry.index:
                 raise BadRequest(f"message for stage {envelope.stage} reached stage {entry.index}")
             check_sender(path, entry.index, assignment.peers, request.identity)
-            micro = announced_microbatch(current.announced(), envelope.step, envelope.microbatch,
-                                         current.health.step, path)
-            if micro is None:
+            microbatches = self._announced(envelope.step, path)
+            if microbatches is None:
                 return  # a late duplicate: nothing kept
+            micro = nth_microbatch(microbatches, envelope.step, envelope.microbatch, path)
             link = "previous" if path == ACT else "next"
             key, rows = (path, envelope.step, envelope.microbatch), micro.size
             if assignment.routing.split(link):
@@ -125,7 +125,7 @@ class StageInputs:
             raise BadRequest(f"/{GROUP_GRAD}: meta.member {member!r} is not another member of a group of {group.size}")
         if request.identity is not None and group.names and request.identity.name != group.names[member]:
             raise Forbidden(f"/{GROUP_GRAD} of member {member} comes only from {group.names[member]!r}")
-        if announced_microbatches(current.announced(), envelope.step, current.health.step, GROUP_GRAD) is None:
+        if self._announced(envelope.step, GROUP_GRAD) is None:
             return
         expected = expected_tensors(current.session)
         shapes = {name: tuple(value.shape) for name, value in envelope.tensors.items()}
@@ -137,6 +137,10 @@ class StageInputs:
             self.inbox.put((GROUP_GRAD, envelope.step, member), dict(envelope.tensors))
         except InboxFull as error:
             raise ServiceUnavailable(str(error)) from None
+
+    def _announced(self, step: int, path: str) -> list[MicroBatch] | None:
+        return announced_microbatches(self._current.announced(), step, self._current.health.step, path,
+                                      stopped=self.inbox.aborted)
 
     def _expected(self, path: str) -> list[BoundaryTensor]:
         entry = self._current.session.entry
@@ -175,24 +179,23 @@ def check_sender(path: str, stage: int, peers: Peers, identity: PeerIdentity | N
         raise Forbidden(f"stage {stage} takes /{path} only from its {role} stage's worker {name!r}, not {identity}")
 
 
-def announced_microbatches(segments: Iterable[Segment], step: int, done_through: int,
-                           path: str) -> list[MicroBatch] | None:
-    """The micro-batches of ``step`` as a run command announced them; raises 4.00 for a step none announced
-    (None: a step done so long ago that its segment is forgotten; a late duplicate, to drop)."""
+def announced_microbatches(segments: Iterable[Segment], step: int, done_through: int, path: str,
+                           stopped: str | None = None) -> list[MicroBatch] | None:
+    """The micro-batches of ``step`` as a run command announced them (None: a step done so long ago that its
+    segment is forgotten; a late duplicate, to drop); 5.03 for a step of a run this worker stopped
+    (``stopped``: why), 4.00 for a step no run command announced."""
     segment = next((s for s in segments if s.first_step <= step <= s.last_step), None)
     if segment is not None:
         return segment.microbatches(step)
     if step <= done_through:
         return None
+    if stopped is not None:
+        raise ServiceUnavailable(f"/{path} for step {step}: this worker stopped its run ({stopped})")
     raise BadRequest(f"/{path} for step {step}, which no run command covers")
 
 
-def announced_microbatch(segments: Iterable[Segment], step: int, index: int, done_through: int,
-                         path: str) -> MicroBatch | None:
-    """Micro-batch ``index`` of ``step`` as :func:`announced_microbatches` finds it."""
-    microbatches = announced_microbatches(segments, step, done_through, path)
-    if microbatches is None:
-        return None
+def nth_microbatch(microbatches: list[MicroBatch], step: int, index: int, path: str) -> MicroBatch:
+    """Micro-batch ``index`` of the announced ``microbatches`` of ``step``; 4.00 past their count."""
     if index >= len(microbatches):
         raise BadRequest(f"/{path} for micro-batch {index} of step {step}, which has {len(microbatches)}")
     return microbatches[index]

@@ -147,6 +147,9 @@ async def member_one_step(worker: str, plan) -> dict:
             await asyncio.sleep(0.05)
         result.update(before=before, after=after.parameters, own=gradient, others=others,
                       names=[p.name for p in entry.parameters if p.trainable])
+        result["before_stop"] = await status(ACT, dataclasses.replace(piece(ACT, 0, 2), step=9))
+        await client.post(worker, STOP, b"test over")
+        result["after_stop"] = await status(ACT, dataclasses.replace(piece(ACT, 0, 2), step=9))
     finally:
         try:
             await client.post(worker, STOP, b"test over")
@@ -181,3 +184,6 @@ def test_a_member_computes_its_rows_and_steps_the_sum_of_the_groups_gradients(pl
         np.testing.assert_allclose(result["after"][name], expected, rtol=1e-6, atol=1e-7)
         offset += size
     assert offset == total.size
+    # a step no run command announced is the sender's error, unless this worker stopped its run
+    assert result["before_stop"].startswith("4.00 /act for step 9, which no run command covers")
+    assert result["after_stop"] == "5.03 /act for step 9: this worker stopped its run (test over)"
