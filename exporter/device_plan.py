@@ -108,11 +108,7 @@ def _plan_and_export(replanner: Replanner, devices, devices_path: Path, out_dir:
 
     if replanner.source.sha256 != devices.model_sha256:
         raise ExportError(f"{devices_path} was measured on another model (sha256 {devices.model_sha256[:12]}...)")
-    problem = replanner.problem([d.name for d in devices.devices])
-    if allow_groups:
-        from dataclasses import replace
-
-        problem = replace(problem, allow_groups=True)
+    problem = replanner.problem([d.name for d in devices.devices], allow_groups)
     placement = plan(problem)
     cuts = [replanner.unit_first_block(u) for u in placement.cut_units()]
     manifest = replanner.build(cuts, out_dir)

@@ -128,25 +128,27 @@ def ring_neighbours(order: list[str], k: int, replicas: int) -> tuple[str, ...]:
     return tuple(order[(k + i) % len(order)] for i in range(1, count + 1))
 
 
-def owners(manifest: Manifest, order: list[str]) -> dict[str, str]:
-    """Which worker holds each parameter and running statistic."""
-    return {p.name: order[stage.index] for stage in manifest.stages for p in stage.parameters}
+def owners(manifest: Manifest, members: list[tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """Which workers hold each parameter and running statistic (a group's every member, its holder of record
+    first)."""
+    return {p.name: members[stage.index] for stage in manifest.stages for p in stage.parameters}
 
 
-async def migrate(client: TensorClient, run_id: str, old: Manifest, old_order: list[str], new: Manifest,
-                  new_order: list[str]) -> Migration:
-    """After the new stages are assigned, let every worker pull its state from the old owners."""
-    held = owners(old, old_order)
+async def migrate(client: TensorClient, run_id: str, old: Manifest, old_members: list[tuple[str, ...]],
+                  new: Manifest, new_members: list[tuple[str, ...]]) -> Migration:
+    """After the new stages are assigned, let every worker (every member of a group) pull its state from the
+    old holders: a worker that held a parameter keeps its own copy, another fetches it from its holder of
+    record (a group's members all hold the same state)."""
+    held = owners(old, old_members)
     started = time.perf_counter()
 
-    async def pull(stage_index: int) -> int:
-        url = new_order[stage_index]
+    async def pull(stage_index: int, url: str) -> int:
         by_source: dict[str, list[str]] = {}
         for parameter in new.stages[stage_index].parameters:
-            source = held.get(parameter.name)
-            if source is None:
+            holders = held.get(parameter.name)
+            if not holders:
                 raise AssignmentError(f"no worker held {parameter.name!r} before the re-partition")
-            by_source.setdefault(SELF if source == url else source, []).append(parameter.name)
+            by_source.setdefault(SELF if url in holders else holders[0], []).append(parameter.name)
         request = MigrateRequest(tuple(MigrationSource(source, tuple(names), previous=True)
                                        for source, names in by_source.items()))
         try:
@@ -155,7 +157,7 @@ async def migrate(client: TensorClient, run_id: str, old: Manifest, old_order: l
             raise AssignmentError(f"worker {url} could not take over its state: {error}") from None
         return int(response.envelope().meta.get("bytes", 0))
 
-    moved = await asyncio.gather(*(pull(k) for k in range(len(new.stages))))
+    moved = await asyncio.gather(*(pull(k, url) for k in range(len(new.stages)) for url in new_members[k]))
     return Migration(bytes=sum(moved), seconds=time.perf_counter() - started,
                      parameters=sum(len(s.parameters) for s in new.stages))
 

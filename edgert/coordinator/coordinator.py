@@ -81,6 +81,7 @@ class TrainConfig:
     replan_every: int = 10
     replan_threshold: float = 0.1
     replan_at: tuple[tuple[int, tuple[int, ...] | None], ...] = ()  # forced: (before step, block cuts or None)
+    replan_groups: bool = True  # a live re-plan may let a data-parallel group of workers hold a stage
     devices: Path | None = None
     memory_mode: str = RunSettings.memory_mode
     replicate_every: int = RunSettings.replicate_every

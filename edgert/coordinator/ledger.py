@@ -200,6 +200,23 @@ class StepLedger:
                       for key in ("forward_ms", "backward_ms", "optimizer_ms"))
                 for k in range(self.stages)]
 
+    def member_times_ms(self, last: int) -> list[dict[str, tuple[float, float, float, float]]]:
+        """For each stage held by a group, each member's median forward, backward and optimizer ms per step over
+        the last ``last`` steps and its part of the stage's samples (empty for a stage of one worker)."""
+        window = self._window(last)
+        result: list[dict[str, tuple[float, float, float, float]]] = [{} for _ in range(self.stages)]
+        for k in range(self.stages if window else 0):
+            parts: dict[str, list[tuple[float, float, float, float]]] = {}
+            for record in window:
+                members = record.stages[k].get("members", [])
+                total = sum(m["samples"] for m in members)
+                for m in members:
+                    parts.setdefault(m["worker"], []).append((m["forward_ms"], m["backward_ms"], m["optimizer_ms"],
+                                                             m["samples"] / total if total else 0.0))
+            result[k] = {worker: tuple(statistics.median(v[i] for v in values) for i in range(4))
+                         for worker, values in parts.items()}
+        return result
+
     def speed_changed(self, recent: int = 2, factor: float = 1.5, baseline: int = 5) -> bool:
         """Whether some stage's compute in each of the last ``recent`` steps differs from its median
         over the ``baseline`` steps before them by more than ``factor`` (a device changed speed)."""

@@ -2,11 +2,12 @@
 
 Every ``--replan-every`` completed steps (and when a worker joins) the placement is checked
 against the times measured lately, while the pipeline keeps going; while a worker that joined
-is idle, it is weighed at every such check whatever ``--replan`` says. A better placement
-whose gain over the steps left, its pause included, reaches the threshold is applied at a
-step boundary: the run loop cuts the segment at the last
-step whose data was sent and drains the pipeline, then the new stages are assigned and
-their state migrates between workers (edgert.coordinator.assignment).
+is idle, it is weighed at every such check whatever ``--replan`` says. The planner may form,
+grow, shrink or re-form data-parallel groups (``--replan-groups``): a worker that joins a
+group with the cuts unchanged needs no re-cut. A better placement whose gain over the steps
+left, its pause included, reaches the threshold is applied at a step boundary: the run loop
+cuts the segment at the last step whose data was sent and drains the pipeline, then the new
+stages are assigned and their state migrates between workers (edgert.coordinator.assignment).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from edgert.coordinator.progress import Progress
 from edgert.coordinator.run_state import RunState
 from edgert.coordinator.run_summary import count_events
 from edgert.coordinator.runlog import RunLog
+from edgert.coordinator.stage_groups import check_splittable, groups_record
 from edgert.devices import save_devices
 from edgert.errors import EdgertError
+from edgert.groups import StageGroup
 from edgert.manifest import Manifest
 from edgert.protocol import HEALTH, JOIN, Health, JoinRequest, read_request
 from edgert.security.admission import StageSigning
@@ -43,8 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgert.coordinator.replanning")
 
-GROUPED_PLACEMENT = ("the placement has groups, which the live re-planner does not cost; a joined worker is "
-                     "not added to a group yet")
 SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
 QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled worker is measured
 
@@ -114,13 +115,7 @@ class Replanning:
         shifted = auto and self._ledger.speed_changed()
         # right after a re-plan, the new placement's own times (not the old ones) are checked soon
         recheck = auto and self._recheck and self._since_check > SHIFT_WINDOW
-        # the re-planner costs one worker a stage: a placement with groups is not weighed against idle workers
-        grouped = any(self._state.groups)
-        if grouped and self._membership_changed:
-            self._membership_changed = False
-            self._report_idle(f"keep: {GROUPED_PLACEMENT}")
-        weigh_idle = bool(self.idle_workers()) and not grouped
-        periodic = (auto or weigh_idle) and self._since_check >= config.replan_every
+        periodic = (auto or bool(self.idle_workers())) and self._since_check >= config.replan_every
         if not (periodic or shifted or recheck or self._membership_changed):
             return None
         self._since_check, self._membership_changed, self._recheck = 0, False, False
@@ -147,35 +142,63 @@ class Replanning:
         await self.repartition(proposal, next_step)
 
     async def repartition(self, proposal: Proposal, next_step: int) -> None:
-        """Move to ``proposal``'s cuts and workers before ``next_step``; the pipeline is drained."""
+        """Move to ``proposal``'s cuts, workers and groups before ``next_step``; the pipeline is drained. Where
+        only the groups change (the cuts stay), the plan is kept: nothing is re-cut, and only the workers new
+        to a stage fetch its state, from a worker that holds it."""
         state = self._state
         started = time.perf_counter()
-        self._replans += 1
-        folder = self._config.out_dir / "plans" / f"plan{self._replans}"
-        manifest = await self._build(list(proposal.cuts), folder)
-        self._evaluation.use_plan(folder, manifest)
         order = self._urls(proposal.workers)
+        groups = self._groups(proposal)
+        recut = list(proposal.cuts) != self._replanner.block_cuts(state.manifest)
+        if recut:
+            self._replans += 1
+            folder = self._config.out_dir / "plans" / f"plan{self._replans}"
+            manifest = await self._build(list(proposal.cuts), folder)
+            self._evaluation.use_plan(folder, manifest)
+        else:
+            manifest, folder = state.manifest, state.plan_dir
         idle_before = self.idle_workers()
-        old_manifest, old_order, old_cuts = state.manifest, state.order, list(state.manifest.cuts)
-        links = await assign(self._client, manifest, folder, order, list(proposal.workers), state.settings)
-        moved = await migrate(self._client, state.run_id, old_manifest, old_order, manifest, order)
-        state.place(manifest, folder, order, list(proposal.workers))
-        self._ledger.configure(state.names)
+        old_manifest, old_members, old_cuts = state.manifest, [state.members(k) for k in range(len(state.order))], \
+            list(state.manifest.cuts)
+        links = await assign(self._client, manifest, folder, order, list(proposal.workers), state.settings, groups)
+        new_members = [g.members if g is not None else (url,) for g, url in zip(groups, order)]
+        moved = await migrate(self._client, state.run_id, old_manifest, old_members, manifest, new_members)
+        state.place(manifest, folder, order, list(proposal.workers), groups)
+        self._ledger.configure(state.names, state.member_counts())
         pause = time.perf_counter() - started
-        self._replanner.record_pause(pause)
+        self._replanner.record_pause(pause, recut)
         self._recheck = proposal.reason != "forced"
+        grouped = groups_record(groups, state.known)
         self._log.event("replan", before_step=next_step, reason=proposal.reason, old_cuts=old_cuts,
-                        new_cuts=list(manifest.cuts), workers=state.names, predicted_gain=round(proposal.gain, 3),
-                        pause_s=round(pause, 3), bytes_moved=moved.bytes, migrate_s=round(moved.seconds, 3))
+                        new_cuts=list(manifest.cuts), recut=recut, workers=state.names,
+                        predicted_gain=round(proposal.gain, 3), pause_s=round(pause, 3), bytes_moved=moved.bytes,
+                        migrate_s=round(moved.seconds, 3), **({"groups": grouped} if grouped else {}))
         self._log.event("links", before_step=next_step, links=links_record(state.names, links))
-        self._progress.message(f"re-planned before step {next_step} ({proposal.reason}): cuts "
-                               f"{old_cuts} -> {list(manifest.cuts)}, paused {pause:.2f} s")
+        change = (f"cuts {old_cuts} -> {list(manifest.cuts)}" if recut else "same cuts")
+        if grouped:
+            change += ", groups " + "; ".join(f"stage {k}: {'+'.join(g['workers'])}" for k, g in grouped.items())
+        self._progress.message(f"re-planned before step {next_step} ({proposal.reason}): {change}, "
+                               f"paused {pause:.2f} s")
+        placed = {name: k for k, members in enumerate(state.member_names()) for name in members}
         for name in idle_before:
-            if name in state.names and name in self._joined:
+            if name in placed and name in self._joined:
                 self._idle_reason.pop(name, None)
-                stage = state.names.index(name)
-                self._log.event("join_placed", worker=name, stage=stage, before_step=next_step)
-                self._progress.message(f"worker {name} (joined) placed on stage {stage} from step {next_step}")
+                stage = placed[name]
+                how = " (in its group, no re-cut)" if not recut and len(state.members(stage)) > 1 else ""
+                self._log.event("join_placed", worker=name, stage=stage, before_step=next_step, recut=recut)
+                self._progress.message(f"worker {name} (joined) placed on stage {stage}{how} from step {next_step}")
+
+    def _groups(self, proposal: Proposal) -> list[StageGroup | None]:
+        """The groups ``proposal`` puts on stages (None for a stage of one worker), by URL, with their names."""
+        urls = self._state.urls_by_name()
+        groups: list[StageGroup | None] = []
+        for k, members in enumerate(proposal.stage_members()):
+            if len(members) == 1:
+                groups.append(None)
+                continue
+            groups.append(StageGroup(tuple(urls[name] for name in members), tuple(proposal.shares[k]),
+                                     tuple(members)))
+        return groups
 
     async def placement_for(self, manifest: Manifest, workers: list[str],
                             folder: Path) -> tuple[Manifest, list[str], list[str]]:
@@ -188,10 +211,14 @@ class Replanning:
     # -- the steps -------------------------------------------------------------------------------
 
     def _observe(self, window: int) -> None:
-        """Give the planner the stage times of the last ``window`` steps."""
+        """Give the planner the stage times of the last ``window`` steps (a group's members' own, too)."""
+        from edgert.exporter.planner.replanner import MemberTimes
+
         measured = self._ledger.stage_times_ms(window)
         step_ms = self._ledger.median_step_ms(window)
-        self._replanner.observe(self._state.manifest, self._state.names, measured, step_ms)
+        members = [{name: MemberTimes(*times) for name, times in stage.items()}
+                   for stage in self._ledger.member_times_ms(window)]
+        self._replanner.observe(self._state.manifest, self._state.names, measured, step_ms, members)
 
     async def _check_placement(self, window: int) -> Proposal | None:
         """A better placement for the times of the last ``window`` steps, or None (planned off the event loop)."""
@@ -201,13 +228,20 @@ class Replanning:
         try:
             proposal = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: self._replanner.propose(state.manifest, state.names, candidates=workers,
-                                                      steps_left=steps_left))
+                                                      steps_left=steps_left, members=state.member_names(),
+                                                      allow_groups=self._config.replan_groups))
         except EdgertError as error:  # a check that cannot plan keeps the placement; training goes on
             log.warning("placement check after step %d failed: %s", self._ledger.completed_through, error)
             self._log.event("placement_check", after_step=self._ledger.completed_through, steps_left=steps_left,
                             decision=f"keep: the planner failed: {error}")
             return None
         check = self._replanner.last_check
+        if proposal is not None and proposal.members:
+            try:
+                config = self._config
+                check_splittable(self._groups(proposal), config.batch_size, config.micro_batches, config.schedule)
+            except TrainingError as error:
+                check["decision"], proposal = f"keep: {error}", None
         self._log.event("placement_check", after_step=self._ledger.completed_through, **check)
         if proposal is None:
             self._report_idle(check["decision"])

@@ -5,10 +5,12 @@ the coordinator takes); the times the stages report while training correct it wi
 per-device factor (FTPipeHD's capacity ratio, updated at every check). A device without a
 profile is costed by the latency predictor fitted on the profiled ones, which learns that
 device's rates online from its reported stage times (AccEPT); with no profile at all, FLOPs
-stand in until the first measurements. A new placement is proposed only when, over the
-steps the run has left, its predicted time plus the pause a re-partition costs (measured at
-the last re-partition; 1 s before the first) beats the current placement's by at least the
-threshold.
+stand in until the first measurements; a group member is learnt from its own times and
+share. Where groups are allowed, the current cuts with an idle worker added to one stage
+(no re-cut) are weighed beside the planner's best. A new placement is proposed only when,
+over the steps the run has left, its predicted time plus the pause it costs (a re-cut's or a
+regroup's, as measured at the last one of its kind) beats the current placement's by at
+least the threshold.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from edgert.manifest import Manifest
 from edgert.schedule import Schedule, microbatches_per_step
 
 DEFAULT_PAUSE_S = 1.0
+DEFAULT_REGROUP_PAUSE_S = 0.5  # the cuts stay: no plan to build, only the workers new to a stage fetch state
 GAIN_TOLERANCE = 1e-9  # a gain equal to the threshold, up to rounding, meets it
 SMOOTHING = 0.5  # weight of the newest measurement in a device's speed factor
 SPEED_CHANGE = 1.5  # a measurement this far from the factor is a new speed (throttling), not noise
@@ -76,15 +79,43 @@ def split_stage_cost(forward: list[float], backward: list[float], optimizer: lis
 
 
 @dataclass(frozen=True)
+class MemberTimes:
+    """A worker's median forward, backward and optimizer ms per step on its stage, and its share of each
+    micro-batch (1 alone; a group member's part of the rows)."""
+
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    share: float
+
+
+@dataclass(frozen=True)
+class _Option:
+    """A placement the re-planner weighs: its cuts, each stage's workers, its step time and the pause to move."""
+
+    placement: object  # exporter.planner.placement.Placement
+    cuts: tuple[int, ...]
+    members: tuple[tuple[str, ...], ...]
+    step_ms: float
+    pause_s: float
+
+
+@dataclass(frozen=True)
 class Proposal:
     """New cuts (block indices) and the worker of each stage, with why."""
 
     cuts: tuple[int, ...]
-    workers: tuple[str, ...]
+    workers: tuple[str, ...]  # each stage's worker (a group's first member: its holder of record)
     gain: float
     current_ms: float
     proposed_ms: float
     reason: str
+    members: tuple[tuple[str, ...], ...] = ()  # each stage's workers, a group's every member (empty: ``workers``)
+    shares: tuple[tuple[float, ...], ...] = ()  # each member's part of every micro-batch, as ``members``
+
+    def stage_members(self) -> tuple[tuple[str, ...], ...]:
+        """Each stage's workers: one, or a group's members."""
+        return self.members or tuple((worker,) for worker in self.workers)
 
 
 class Replanner:
@@ -110,6 +141,7 @@ class Replanner:
         self._param_bytes = [sum(b.param_bytes for b in self.analysis.blocks[a:e]) for a, e in self._units]
         self._factor: dict[str, float] = {}
         self._pause_s = DEFAULT_PAUSE_S
+        self._regroup_pause_s = DEFAULT_REGROUP_PAUSE_S
         self.last_check: dict = {}  # what the latest propose() saw and decided, for the run log
         self.predictor: LatencyPredictor | None = None
         self._fit_predictor()
@@ -190,16 +222,17 @@ class Replanner:
                 [(b + o * per_microbatch) * factor for b, o in zip(costs.backward, costs.optimizer)],
                 call_forward * factor + last_call, last_call)
 
-    def _stage_work(self, worker: str, first_block: int, end_block: int, last: bool) -> float:
-        """Uncorrected compute per micro-batch of a stage, as the runtime reports it (optimizer included)."""
+    def _stage_work(self, worker: str, first_block: int, end_block: int, last: bool, share: float = 1.0) -> float:
+        """Uncorrected compute per micro-batch of a stage, as the runtime reports it (optimizer included); a group
+        member computing ``share`` of each micro-batch pays the calls' fixed cost whole and the rest in part."""
         costs = self._baseline(worker)
         call_forward, call_backward, call_optimizer = costs.call
         total = call_backward + call_optimizer / self.micro_batches + (0.0 if last else call_forward)
         for u, (a, e) in enumerate(self._units):
             if first_block <= a and e <= end_block:
                 own_forward = 0.0 if last else costs.forward[u]
-                total += own_forward + (costs.backward[u] - own_forward if self.stashing and not last
-                                        else costs.backward[u])
+                total += share * (own_forward + (costs.backward[u] - own_forward if self.stashing and not last
+                                                 else costs.backward[u]))
                 total += costs.optimizer[u] / self.micro_batches
         return total
 
@@ -208,8 +241,9 @@ class Replanner:
         return self.memory_mode == "stash"
 
     def observe(self, manifest: Manifest, workers: list[str], stage_times_ms: list[tuple[float, float, float]],
-                step_ms: float) -> None:
-        """Learn each worker's speed from its stage's measured (forward, backward, optimizer) ms per step.
+                step_ms: float, members: list[dict[str, MemberTimes]] | None = None) -> None:
+        """Learn each worker's speed from its stage's measured (forward, backward, optimizer) ms per step; a stage
+        held by a group (``members[k]`` not empty) from each member's own times and share instead.
 
         A worker costed by the predictor refines its rates there; the others update their factor.
         """
@@ -218,20 +252,29 @@ class Replanner:
         cuts = [0, *self.block_cuts(manifest), len(self.analysis.blocks)]
         for k, worker in enumerate(workers):
             last = k == len(workers) - 1
-            forward, backward, optimizer = (t / self.micro_batches for t in stage_times_ms[k])
-            if self._predicts(worker):
-                self._observe_predicted(worker, cuts[k], cuts[k + 1], forward, backward, last)
-                continue
-            baseline = self._stage_work(worker, cuts[k], cuts[k + 1], last)
-            measured = forward + backward + optimizer
-            if baseline > 0 and measured > 0:
-                ratio = measured / baseline
-                old = self._factor.get(worker)
-                changed = old is None or not 1 / SPEED_CHANGE < ratio / old < SPEED_CHANGE
-                self._factor[worker] = ratio if changed else (1 - SMOOTHING) * old + SMOOTHING * ratio
+            group = members[k] if members and k < len(members) else {}
+            timed = group.items() if len(group) > 1 else [(worker, MemberTimes(*stage_times_ms[k], 1.0))]
+            for name, times in timed:
+                self._learn(name, cuts[k], cuts[k + 1], last, times)
+
+    def _learn(self, worker: str, first: int, end: int, last: bool, times: MemberTimes) -> None:
+        """One worker's measured ms per step on blocks ``[first, end)``, computing ``times.share`` of each
+        micro-batch: the predictor's observation, or the worker's correction factor."""
+        forward, backward, optimizer = (t / self.micro_batches for t in (times.forward_ms, times.backward_ms,
+                                                                         times.optimizer_ms))
+        if self._predicts(worker):
+            self._observe_predicted(worker, first, end, forward, backward, last, times.share)
+            return
+        baseline = self._stage_work(worker, first, end, last, times.share)
+        measured = forward + backward + optimizer
+        if baseline > 0 and measured > 0:
+            ratio = measured / baseline
+            old = self._factor.get(worker)
+            changed = old is None or not 1 / SPEED_CHANGE < ratio / old < SPEED_CHANGE
+            self._factor[worker] = ratio if changed else (1 - SMOOTHING) * old + SMOOTHING * ratio
 
     def _observe_predicted(self, worker: str, first: int, end: int, forward: float, backward: float,
-                           last: bool) -> None:
+                           last: bool, share: float = 1.0) -> None:
         """One stage time for the predictor, in its terms: a backward call includes the forward it recomputes."""
         if backward <= 0 or (forward <= 0 and not last):
             return
@@ -239,7 +282,8 @@ class Replanner:
             backward += forward
         features = join_features([f for u, f in enumerate(self._unit_features)
                                   if first <= self._units[u][0] and self._units[u][1] <= end])
-        self.predictor.observe(worker, features, self.micro_batch, None if last else forward, backward)
+        rows = max(1, round(self.micro_batch * share))
+        self.predictor.observe(worker, features, rows, None if last else forward, backward)
 
     def use_profiles(self, profiles: list[DeviceProfile], blocks: tuple[str, ...]) -> None:
         """Cost the devices of ``profiles`` (timed on the units ``blocks``) by them from now on."""
@@ -252,11 +296,16 @@ class Replanner:
             self._factor.pop(profile.name, None)  # measured now: no correction learnt against the old baseline
         self._fit_predictor()
 
-    def record_pause(self, seconds: float) -> None:
-        self._pause_s = seconds
+    def record_pause(self, seconds: float, recut: bool = True) -> None:
+        """The pause the latest re-partition took: a re-cut's, or (``recut`` False) a regroup's on the same cuts."""
+        if recut:
+            self._pause_s = seconds
+        else:
+            self._regroup_pause_s = seconds
 
-    def problem(self, workers: list[str]):
-        """The planner's view of the units and of the workers as measured so far."""
+    def problem(self, workers: list[str], allow_groups: bool = False):
+        """The planner's view of the units and of the workers as measured so far; ``allow_groups``: a stage may
+        be held by a data-parallel group of them."""
         from edgert.exporter.planner.solver import DeviceCosts, PlanProblem
 
         units = tuple(self._unit(u, a, e) for u, (a, e) in enumerate(self._units))
@@ -273,7 +322,7 @@ class Replanner:
         slots = 2 if self.training.optimizer == "adamw" else int(bool(self.training.momentum))
         return PlanProblem(units=units, devices=tuple(devices), bandwidth=bandwidth, rtt_ms=rtt,
                            micro_batch=self.micro_batch, micro_batches=self.micro_batches, schedule=self.schedule,
-                           optimizer_slots=slots, stash=self.stashing)
+                           optimizer_slots=slots, stash=self.stashing, allow_groups=allow_groups)
 
     def _unit(self, index: int, first: int, end: int):
         from edgert.exporter.planner.solver import Unit
@@ -307,13 +356,16 @@ class Replanner:
 
     def propose(self, manifest: Manifest, workers: list[str] | None, force: bool = False,
                 cuts: tuple[int, ...] | None = None, candidates: list[str] | None = None,
-                steps_left: int | None = None) -> Proposal | None:
-        """A better placement, or None when the current one (``workers`` by stage) is good enough.
+                steps_left: int | None = None, members: list[tuple[str, ...]] | None = None,
+                allow_groups: bool = False) -> Proposal | None:
+        """A better placement, or None when the current one (``workers`` by stage; ``members``: each stage's
+        workers where groups hold stages) is good enough.
 
-        The planner may order and use any of ``candidates`` (default: the current workers).
-        ``workers`` is None when no placement runs (a recovery, a resume); then ``candidates``,
-        however many, are required. Unless ``force``, ``steps_left`` (the steps the run still has
-        to go) is required: the time a new placement saves is summed over them.
+        The planner may order and use any of ``candidates`` (default: the current workers), and
+        with ``allow_groups`` let a group of them hold a stage. ``workers`` is None when no
+        placement runs (a recovery, a resume); then ``candidates``, however many, are required.
+        Unless ``force``, ``steps_left`` (the steps the run still has to go) is required: the time
+        a new placement saves is summed over them.
         """
         from edgert.exporter.planner.solver import plan
 
@@ -321,57 +373,93 @@ class Replanner:
             raise ValueError("propose needs candidates when there is no current placement")
         if not force and steps_left is None:
             raise ValueError("propose needs steps_left to weigh a gain against the pause")
-        current = self._current_ms(manifest, workers, candidates or [])
+        holders = None if workers is None else [tuple(m) for m in members or [(w,) for w in workers]]
+        current = self._current_ms(manifest, holders, candidates or [])
         if cuts is not None:
             return Proposal(tuple(cuts), tuple(workers), 1.0, current, current, "forced")
-        placement = plan(self.problem(list(candidates or workers)))
-        new_cuts = tuple(self._units[u][0] for u in placement.cut_units())
-        new_workers = tuple(stage.devices[0] for stage in placement.stages)
-        proposed = self._step_ms(placement)
+        pool = list(candidates or workers)
+        options = [self._option(plan(self.problem(pool, allow_groups)), manifest, holders)]
+        if allow_groups and holders is not None and not force:
+            options += self._grown(manifest, holders, [c for c in pool if not any(c in m for m in holders)])
+        chosen = options[0] if force else min(options, key=lambda o: o.step_ms * steps_left + o.pause_s * 1000)
+        new_cuts, new_members, proposed = chosen.cuts, chosen.members, chosen.step_ms
+        new_workers = tuple(group[0] for group in new_members)
         gain = current / proposed if proposed > 0 else 1.0
-        unchanged = (workers is not None and list(new_cuts) == self.block_cuts(manifest)
-                     and list(new_workers) == list(workers))
+        unchanged = (holders is not None and list(new_cuts) == self.block_cuts(manifest)
+                     and [set(m) for m in new_members] == [set(m) for m in holders])
         self.last_check = {"current_ms": round(current, 2), "proposed_ms": round(proposed, 2),
                            "proposed_cuts": list(new_cuts), "proposed_workers": list(new_workers),
                            "predicted_gain": round(gain, 4) if gain != float("inf") else None,
                            "steps_left": steps_left}
+        grouped = any(len(m) > 1 for m in new_members)
+        if grouped:
+            self.last_check["proposed_groups"] = {k: list(m) for k, m in enumerate(new_members) if len(m) > 1}
         if unchanged and not force:
             self.last_check["decision"] = "keep: the current placement is the best"
             return None
         if not force:
-            refusal = self._refusal(gain, current, proposed, steps_left)
+            refusal = self._refusal(gain, current, proposed, steps_left, chosen.pause_s)
             if refusal:
                 self.last_check["decision"] = refusal
                 return None
         reason = "forced" if force else (f"predicted step {current:.0f} -> {proposed:.0f} ms (x{gain:.3f}): "
                                          f"x{self.last_check['gain_over_steps_left']:.3f} over the {steps_left} "
-                                         f"steps left, a {self._pause_s:.1f} s pause included")
+                                         f"steps left, a {chosen.pause_s:.1f} s pause included")
         self.last_check["decision"] = "re-plan"
-        return Proposal(new_cuts, new_workers, gain, current, proposed, reason)
+        return Proposal(new_cuts, new_workers, gain, current, proposed, reason,
+                        members=new_members if grouped else (),
+                        shares=tuple(tuple(stage.shares) for stage in chosen.placement.stages) if grouped else ())
 
-    def _refusal(self, gain: float, current_ms: float, proposed_ms: float, steps_left: int) -> str | None:
+    def _option(self, placement, manifest: Manifest, holders: list[tuple[str, ...]] | None) -> _Option:
+        """The planner's placement as an option: a re-cut's pause, or a regroup's where the cuts stay."""
+        cuts = tuple(self._units[u][0] for u in placement.cut_units())
+        same_cuts = holders is not None and list(cuts) == self.block_cuts(manifest)
+        return _Option(placement, cuts, tuple(tuple(stage.devices) for stage in placement.stages),
+                       self._step_ms(placement), self._regroup_pause_s if same_cuts else self._pause_s)
+
+    def _grown(self, manifest: Manifest, holders: list[tuple[str, ...]], idle: list[str]) -> list[_Option]:
+        """The current cuts and groups with one ``idle`` worker added to one stage (a group grows, or a stage's
+        one worker becomes a group of two): nothing re-cut, only the newcomer fetches state."""
+        from edgert.exporter.planner.solver import evaluate
+
+        cuts = tuple(self.block_cuts(manifest))
+        options = []
+        for worker in idle:
+            problem = self.problem([*(w for m in holders for w in m), worker], allow_groups=True)
+            for k in range(len(holders)):
+                members = [m + (worker,) if j == k else m for j, m in enumerate(holders)]
+                try:
+                    placement = evaluate(problem, self._stages_of(manifest, members))
+                except PlanError:
+                    continue  # it does not fit in this stage's memory
+                options.append(_Option(placement, cuts, tuple(members), self._step_ms(placement),
+                                       self._regroup_pause_s))
+        return options
+
+    def _refusal(self, gain: float, current_ms: float, proposed_ms: float, steps_left: int,
+                 pause_s: float) -> str | None:
         """Why a better placement is not worth moving to (None: it is): over the ``steps_left`` steps, its time
         plus the re-partition's pause beats the current placement's by less than the threshold."""
-        pause_ms = self._pause_s * 1000
-        now, then = current_ms * steps_left, proposed_ms * steps_left + pause_ms
+        now, then = current_ms * steps_left, proposed_ms * steps_left + pause_s * 1000
         gain_left = now / then if then > 0 else gain
         self.last_check["gain_over_steps_left"] = round(gain_left, 4) if gain_left != float("inf") else None
         if gain_left >= 1 + self.threshold - GAIN_TOLERANCE:
             return None
         return (f"keep: x{gain_left:.3f} over the {steps_left} steps left (step {current_ms:.0f} -> "
-                f"{proposed_ms:.0f} ms, x{gain:.3f}, and a {self._pause_s:.2f} s pause), "
+                f"{proposed_ms:.0f} ms, x{gain:.3f}, and a {pause_s:.2f} s pause), "
                 f"below the threshold x{1 + self.threshold:.3f}")
 
-    def _current_ms(self, manifest: Manifest, workers: list[str] | None, candidates: list[str]) -> float:
-        """The predicted step time of ``manifest``'s stages on ``workers``; infinite when no placement runs,
-        or when it no longer fits (a worker left)."""
+    def _current_ms(self, manifest: Manifest, members: list[tuple[str, ...]] | None, candidates: list[str]) -> float:
+        """The predicted step time of ``manifest``'s stages on ``members`` (each stage's workers); infinite when
+        no placement runs, or when it no longer fits (a worker left)."""
         from edgert.exporter.planner.solver import evaluate
 
-        if workers is None or len(workers) != len(manifest.stages):
+        if members is None or len(members) != len(manifest.stages):
             return float("inf")
-        pool = list(dict.fromkeys([*workers, *candidates]))
+        pool = list(dict.fromkeys([*(w for m in members for w in m), *candidates]))
         try:
-            return self._step_ms(evaluate(self.problem(pool), self._stages_of(manifest, workers)))
+            return self._step_ms(evaluate(self.problem(pool, any(len(m) > 1 for m in members)),
+                                          self._stages_of(manifest, members)))
         except PlanError:
             return float("inf")
 
@@ -379,9 +467,9 @@ class Replanner:
         """Time per batch: the bottleneck under async (no flush), the simulated window otherwise."""
         return placement.bottleneck_ms if self.schedule == Schedule.ASYNC else placement.predicted_step_ms
 
-    def _stages_of(self, manifest: Manifest, workers: list[str]) -> list[tuple[int, int, tuple[str]]]:
-        """The current stages as planner units ranges on their workers."""
+    def _stages_of(self, manifest: Manifest, members: list[tuple[str, ...]]) -> list[tuple[int, int, tuple[str, ...]]]:
+        """The current stages as planner units ranges on their workers (a group's members)."""
         starts = {a: u for u, (a, _) in enumerate(self._units)}
         bounds = [0, *self.block_cuts(manifest), len(self.analysis.blocks)]
         units = [starts.get(b, len(self._units)) for b in bounds]
-        return [(units[k], units[k + 1], (worker,)) for k, worker in enumerate(workers)]
+        return [(units[k], units[k + 1], tuple(group)) for k, group in enumerate(members)]

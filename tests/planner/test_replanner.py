@@ -5,7 +5,7 @@ import pytest
 
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, save_devices
 from edgert.exporter.export import ExportOptions, export_plan
-from edgert.exporter.planner.replanner import Replanner, split_stage_cost
+from edgert.exporter.planner.replanner import MemberTimes, Replanner, split_stage_cost
 from edgert.manifest import load_manifest
 from edgert.models import build_model, save_model
 
@@ -236,3 +236,60 @@ def test_a_gain_is_weighed_over_the_steps_left_pause_included(plan, devices_json
     assert replanner.propose(manifest, ["b", "a"], steps_left=1000) is None
     with pytest.raises(ValueError, match="steps_left"):
         replanner.propose(manifest, ["b", "a"])
+
+
+@pytest.fixture(scope="module")
+def three_devices(plan, tmp_path_factory):
+    """Profiles of "a" (1x), "b" (2x slower) and "c" (1x), on the planner's units."""
+    replanner = Replanner(plan, load_manifest(plan), tmp_path_factory.mktemp("cache"), micro_batches=4)
+    devices = DevicesFile(model_sha256=replanner.source.sha256, blocks=tuple(
+        "+".join(b.name for b in replanner.analysis.blocks[a:e]) for a, e in replanner._units),
+        micro_batch=MICRO_BATCH, devices=tuple(profiled(replanner, name, slowness)
+                                               for name, slowness in (("a", 1.0), ("b", 2.0), ("c", 1.0))))
+    return save_devices(devices, tmp_path_factory.mktemp("devices") / "devices.json")
+
+
+def test_an_idle_worker_may_join_a_stage_without_a_re_cut_when_that_costs_less(plan, three_devices, tmp_path):
+    """With groups allowed, the re-planner weighs the planner's best placement (a re-cut's pause) against the
+    current cuts with the idle worker added to a stage (a regroup's pause): the least time over the steps left."""
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, devices=three_devices, batch_size=64, micro_batches=4,
+                          threshold=0.0)
+    holders = [("a",), ("b",)]
+    grown = replanner._grown(manifest, holders, ["c"])
+    assert [o.members for o in grown] == [(("a", "c"), ("b",)), (("a",), ("b", "c"))]
+    assert all(list(o.cuts) == replanner.block_cuts(manifest) for o in grown)
+    best_grown = min(o.step_ms for o in grown)
+    best = replanner.propose(manifest, ["a", "b"], candidates=["a", "b", "c"], steps_left=10**6, allow_groups=True)
+    assert best is not None and best.proposed_ms <= best_grown + 1e-9
+    assert list(best.cuts) != replanner.block_cuts(manifest)  # the planner's best re-cuts
+    # a re-cut that costs a long pause loses to joining a stage: same cuts, "c" in a group, the regroup's pause
+    replanner.record_pause(1e4, recut=True)
+    replanner.record_pause(0.0, recut=False)
+    joined = replanner.propose(manifest, ["a", "b"], candidates=["a", "b", "c"], steps_left=1000, allow_groups=True)
+    assert joined is not None and list(joined.cuts) == replanner.block_cuts(manifest)
+    assert "c" in {w for m in joined.stage_members() for w in m} and joined.members
+    assert joined.proposed_ms == pytest.approx(best_grown)  # the same cuts on the same devices: the best grown one
+    assert all(abs(sum(joined.shares[k]) - 1) < 1e-9 for k, m in enumerate(joined.members) if len(m) > 1)
+    assert "a 0.0 s pause included" in joined.reason
+    # without groups nothing joins a stage: a pipeline over the three, or nothing
+    single = replanner.propose(manifest, ["a", "b"], candidates=["a", "b", "c"], steps_left=1000)
+    assert single is None or not single.members
+
+
+def test_a_group_members_own_times_and_share_teach_its_speed(plan, three_devices, tmp_path):
+    """A stage held by "a" and "c" (each half of every micro-batch), "c" measured 3x slower than its profile:
+    its factor learns 3, and "a"'s stays 1; the merged (slowest) time is not pinned on the holder of record."""
+    manifest = load_manifest(plan)
+    replanner = Replanner(plan, manifest, tmp_path, devices=three_devices, batch_size=64, micro_batches=4)
+    cuts = [0, *replanner.block_cuts(manifest), len(replanner.analysis.blocks)]
+
+    def member(worker, slowness, share):
+        work = replanner._stage_work(worker, cuts[0], cuts[1], last=False, share=share) * slowness * 4
+        return MemberTimes(0.0, work - 0.01, 0.01, share)  # per step: 4 micro-batches
+
+    stage_1 = stage_truth(replanner, manifest, ["a", "b"], {"a": 1.0, "b": 2.0}, 4)[1]
+    members = [{"a": member("a", 1.0, 0.5), "c": member("c", 3.0, 0.5)}, {}]
+    replanner.observe(manifest, ["a", "b"], [(0.0, 99.0, 0.0), stage_1], 0.0, members)
+    assert replanner._factor["c"] == pytest.approx(3.0, rel=1e-6)
+    assert replanner._factor["a"] == pytest.approx(1.0, rel=1e-6)

@@ -1,6 +1,7 @@
 """A chaos soak: random workers are SIGKILLed again and again (two within a second once), the
 coordinator too; ``edgert train --resume`` finishes the run, and the parameters are an
-undisturbed run's (docs/FAULTS.md: exact replay).
+undisturbed run's (docs/FAULTS.md: exact replay): bit for bit, or within rounding (1e-5 relative)
+when the joiners were put in data-parallel groups, whose sums run in another order.
 
 One run of ``edgert train`` (a process) over coaps+tcp, the default, on 3 workers with 3 more
 that join at its start;
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = 150
 SLOWDOWN = "10"  # a few tens of ms per step, mostly asleep: the 2-core host keeps up with the chaos
 OPTIONS = {"replicate_every": 5, "central_every": 10, "epochs": 20}
+GROUPS_TOLERANCE = 1e-5  # relative, once a re-plan or a recovery put a group on a stage (issue 17)
 KILL_ONE_AT, KILL_TWO_AT, KILL_COORDINATOR_AT, KILL_AFTER_RESUME_AT = 25, 55, 85, 115
 
 
@@ -117,8 +119,14 @@ def test_random_kills_and_a_coordinator_restart_change_nothing_learned(plan3, tm
                           listen="coap+tcp://127.0.0.1:0", progress=False, **OPTIONS))
     soaked, undisturbed = final_parameters(out), final_parameters(clean)
     assert soaked.keys() == undisturbed.keys()
-    differ = [n for n in undisturbed if not np.array_equal(soaked[n], undisturbed[n])]
-    assert not differ, f"parameters that differ from the undisturbed run's: {differ}"  # bit for bit
+    if not [r for _, r in tail.records if r.get("event") in ("replan", "recovery") and r.get("groups")]:
+        differ = [n for n in undisturbed if not np.array_equal(soaked[n], undisturbed[n])]
+        assert not differ, f"parameters that differ from the undisturbed run's: {differ}"  # bit for bit
+        return
+    # a group sums its members' gradients, and a pipeline stage its rows, in another order: rounding apart
+    difference = np.sqrt(sum(float(np.sum((soaked[n] - undisturbed[n]) ** 2.0)) for n in undisturbed))
+    size = np.sqrt(sum(float(np.sum(undisturbed[n] ** 2.0)) for n in undisturbed))
+    assert difference / size < GROUPS_TOLERANCE, difference / size
 
 
 def _train(plan: Path, workers: list[str], out: Path, listen: str, keys: Path) -> subprocess.Popen:
