@@ -288,6 +288,31 @@ class TopKCodec(Codec):
         return out.reshape(shape)
 
 
+class Precoded(Codec):
+    """Fields ``codec`` computed beforehand, sent as they are: for a sender that also uses the decoded tensor
+    itself (a group member sums what the others receive), so a stateful codec's residual advances once."""
+
+    def __init__(self, codec: Codec, fields: dict[str, Any]) -> None:
+        self.name = codec.name  # type: ignore[misc]  (the wire name is the codec's)
+        self._spec = codec.spec
+        self._fields = fields
+
+    @property
+    def spec(self) -> str:
+        return self._spec
+
+    def encode(self, name: str, array: np.ndarray) -> dict[str, Any]:
+        return self._fields
+
+
+def round_trip(codec: Codec, name: str, array: np.ndarray, limits: Limits) -> tuple[np.ndarray, Codec]:
+    """``array`` as its receiver will decode it, and a codec that sends exactly that (``codec`` encodes once)."""
+    if not codec.applies_to(array) or isinstance(codec, NoCodec):
+        return array, codec
+    fields = codec.encode(name, array)
+    return decode_coded(codec.name, fields, array.dtype.name, array.shape, limits), Precoded(codec, fields)
+
+
 CODECS: dict[str, type[Codec]] = {cls.name: cls for cls in (NoCodec, Fp16Codec, Int8Codec, Int4Codec, TopKCodec)}
 _DECODERS = {"fp16": Fp16Codec.decode, "int8": Int8Codec.decode, "int4": Int4Codec.decode, "topk": TopKCodec.decode}
 

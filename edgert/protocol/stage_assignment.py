@@ -84,6 +84,12 @@ class StageAssignment:
         return self.peers.previous_codec or self.settings.backward_codec
 
     @property
+    def group_codec(self) -> str:
+        """The codec of the gradients this member sends the other members of its group: the run's gradient
+        codec (``--grad-codec``; the planner costs a group's exchange uncompressed and plans no codec for it)."""
+        return self.settings.backward_codec
+
+    @property
     def roles(self) -> tuple[str, ...]:
         """The artifact roles this stage needs (its memory mode decides the stash files)."""
         return needed_roles(self.entry, self.settings.memory_mode)

@@ -185,14 +185,15 @@ class ComputeThread:
             return
         self._send_data(self._current.assignment.peers.previous, GRAD, key, tensors, -1, self._codecs["backward"])
 
-    def send_group(self, step: int, tensors: dict[str, np.ndarray]) -> None:
-        """Send this member's gradients of ``step`` to the other members of its group (raw fp32)."""
+    def send_group(self, step: int, tensors: dict[str, np.ndarray], codecs: dict[str, Codec]) -> None:
+        """Send this member's gradients of ``step`` to the other members of its group, each tensor in its codec
+        (``codecs``: by name; the others raw)."""
         assignment = self._current.assignment
         envelope = Envelope(kind=GROUP_GRAD_KIND, run_id=assignment.run_id, step=step, stage=assignment.entry.index,
                             tensors=tensors, meta={"member": assignment.member})
         for j, url in enumerate(assignment.group.members):
             if j != assignment.member:
-                self._outbox.submit(url, GROUP_GRAD, envelope, None)
+                self._outbox.submit(url, GROUP_GRAD, envelope, codecs)
 
     def _send_pieces(self, link: str, path: str, key: Key, tensors: dict[str, np.ndarray], rows: int, direction: int,
                      codec: Codec) -> None:

@@ -24,6 +24,7 @@ from edgert.groups import StageRouting
 from edgert.protocol import StepReport
 from edgert.schedule import Computation, Key, MicroBatch, Schedule, Window, stage_actions
 from edgert.stage import StageSession
+from edgert.transport import Codec
 from edgert.worker.errors import InboxSkipped
 from edgert.worker.gate import StepGate
 from edgert.worker.group_exchange import GroupExchange
@@ -32,7 +33,7 @@ from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
 from edgert.worker.stage_timer import warm_up
 
 Sender = Callable[..., None]  # (key, tensors) and, on a link that carries row pieces, rows=<micro-batch size>
-GroupSender = Callable[[int, dict[str, np.ndarray]], None]  # (step, tensors) to the other members of the group
+GroupSender = Callable[[int, dict[str, np.ndarray], dict[str, Codec]], None]  # to the group's other members
 StepCallback = Callable[[StepReport], None]
 
 
@@ -42,10 +43,11 @@ class StageExecutor:
     def __init__(self, session: StageSession, stage: int, inbox: Inbox, send_forward: Sender,
                  send_backward: Sender, slowdown: SlowdownSchedule = SlowdownSchedule(),
                  wait_timeout: float | None = None, before_wait: Callable[[], None] | None = None,
-                 routing: StageRouting | None = None, send_group: GroupSender | None = None):
+                 routing: StageRouting | None = None, send_group: GroupSender | None = None,
+                 group_codec: Codec | None = None):
         self.session = session
         self.routing = routing or StageRouting(None, 0, None, None)
-        self._exchange = GroupExchange(session, self.routing, self._take_key, send_group) \
+        self._exchange = GroupExchange(session, self.routing, self._take_key, send_group, group_codec) \
             if self.routing.grouped else None
         self.stage = stage
         self.inbox = inbox

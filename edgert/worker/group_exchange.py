@@ -18,27 +18,39 @@ import numpy as np
 from edgert.groups import StageRouting
 from edgert.protocol import GROUP_GRAD
 from edgert.stage import StageSession
+from edgert.transport import DEFAULT_LIMITS, Codec
+from edgert.transport.codec import NoCodec, round_trip
 
 GRADIENT = "gradient"  # the tensor of a /groupgrad message holding the flat parameter gradients
 Take = Callable[[Hashable], dict[str, np.ndarray]]
-Send = Callable[[int, dict[str, np.ndarray]], None]
+Send = Callable[[int, dict[str, np.ndarray], dict[str, Codec]], None]  # (step, tensors, codec by tensor name)
 
 
 class GroupExchange:
-    """One member's side of its group's gradient exchange: send its part to the others, sum everyone's."""
+    """One member's side of its group's gradient exchange: send its part to the others, sum everyone's.
 
-    def __init__(self, session: StageSession, routing: StageRouting, take: Take, send: Send):
+    The flat gradient goes in ``codec`` (the run's gradient codec); a lossy one is applied to the
+    member's own part too (it adds what the others decode, top-k's residual kept for its next step),
+    so every member still sums the same parts and steps the same weights.
+    """
+
+    def __init__(self, session: StageSession, routing: StageRouting, take: Take, send: Send,
+                 codec: Codec | None = None):
         self._session = session
         self._routing = routing
         self._take = take
         self._send = send
+        self._codec = codec or NoCodec()
 
     def combine(self, step: int, rows: list[int]) -> None:
         """Replace the accumulated gradients (and running statistics) by the group's combination for
         ``step``; ``rows[i]``: member ``i``'s rows of the step's micro-batches."""
         routing = self._routing
-        own = {GRADIENT: self._session.gradient_flat(), **self._session.running_statistics()}
-        self._send(step, own)
+        flat = self._session.gradient_flat()
+        sent, codec = round_trip(self._codec, GRADIENT, flat, DEFAULT_LIMITS)
+        statistics = self._session.running_statistics()
+        self._send(step, {GRADIENT: flat, **statistics}, {GRADIENT: codec})
+        own = {GRADIENT: sent, **statistics}
         parts = [own if j == routing.member else self._take((GROUP_GRAD, step, j))
                  for j in range(routing.group.size)]
         total = parts[0][GRADIENT].copy()

@@ -92,7 +92,7 @@ async def member_one_step(worker: str, plan) -> dict:
     assignment = StageAssignment(run_id=RUN_ID, entry=entry, stages=3,
                                  peers=Peers(other, other, other, next_codec="int8", previous_codec="fp16"),
                                  settings=RunSettings(training, wait_timeout=60.0, replicate_every=0,
-                                                      central_every=0),
+                                                      central_every=0, backward_codec="int8"),
                                  group=StageGroup((other, worker), (0.5, 0.5)), member=1)
     rng = np.random.default_rng(0)
     (spec,), (out,) = entry.inputs, entry.outputs
@@ -129,6 +129,7 @@ async def member_one_step(worker: str, plan) -> dict:
             result.setdefault("grads", []).append(await status(GRAD, piece(GRAD, m, 2)))
         (mine,) = await stand_in.wait(GROUP_GRAD, 1)
         result["group_meta"] = dict(mine.meta)
+        result["group_codecs"] = dict(mine.codecs)
         gradient = mine.tensors["gradient"]
         result["self_member"] = await status(GROUP_GRAD, dataclasses.replace(mine, meta={"member": 1}))
         result["bad_shape"] = await status(GROUP_GRAD, Envelope(
@@ -172,10 +173,12 @@ def test_a_member_computes_its_rows_and_steps_the_sum_of_the_groups_gradients(pl
     assert result["grad_rows"] == [(0, 2, 2), (1, 2, 2)]
     assert result["act_codecs"] == {"int8"} and result["grad_codecs"] == {"fp16"}  # row pieces: the link's codecs
     assert result["group_meta"] == {"member": 1}
+    assert result["group_codecs"] == {"gradient": "int8"}  # the run's gradient codec (links have their own)
     assert result["self_member"].startswith("4.00 /groupgrad: meta.member 1 is not another member")
     assert result["bad_shape"].startswith("4.00 /groupgrad expects float32 tensors")
     assert result["other"] == "2.04"
-    # plain SGD: the step applied the sum of both members' gradients, in member order
+    # plain SGD: the step applied the sum of both members' gradients, in member order; its own part as the
+    # other member decodes it (int8), so both step the same weights
     total = result["others"] + result["own"]
     offset = 0
     for name in result["names"]:

@@ -248,6 +248,31 @@ def test_the_members_of_a_batchnorm_group_end_with_the_same_state(cluster, tmp_p
     assert grouped.train_loss == pytest.approx(reference.train_loss, rel=0.05)
 
 
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_a_group_exchanges_its_gradients_in_the_runs_gradient_codec(mlp, cluster, one_device, tmp_path, codec):
+    """``--grad-codec`` (every gradient that crosses the network): the members of a 0.7/0.3 group send each other
+    their gradients compressed, and each adds its own part as the others decode it, so both still hold bitwise
+    the same state; the run learns, no longer bit for bit one device's."""
+    members = members_of(cluster.urls, (1, 2, 1))
+    plan = tmp_path / "plan"
+    export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3, training=TrainingConfig(learning_rate=0.05)))
+    write_groups(plan, members, ((1.0,), (0.7, 0.3), (1.0,)))
+    config = TrainConfig(plan_dir=plan, workers=tuple(url for group in members for url in group),
+                         out_dir=tmp_path / "run", steps=STEPS, batch_size=64, micro_batches=4, schedule="1f1b",
+                         listen="coap+tcp://127.0.0.1:0", progress=False, backward_codec=codec)
+    summary = train(config)
+    assert summary.steps == STEPS
+    with SyncClient.start(ClientConfig(timeout=30.0)) as client:
+        states = [StageState.from_envelope(client.get(url, WEIGHTS).envelope()) for url in members[1]]
+    for name, value in states[0].parameters.items():
+        assert np.array_equal(value, states[1].parameters[name]), name
+    difference = model_relative_difference(parameters(tmp_path / "run", 3), one_device["1f1b"])
+    print(f"gradients in {codec}: relative parameter difference to one device {difference:.2e}, "
+          f"test accuracy {summary.test_accuracy:.3f}")
+    assert difference > 1e-5  # uncompressed groups end within 1e-5 of one device (above)
+    assert summary.test_accuracy > 0.5
+
+
 def test_a_run_is_refused_when_the_workers_do_not_match_the_groups(mlp, tmp_path):
     plan = tmp_path / "plan"
     export_plan(mlp / "mlp.onnx", plan, ExportOptions(stages=3))

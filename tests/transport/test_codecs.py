@@ -8,7 +8,8 @@ import pytest
 
 from edgert.bench.codecs import activation_tensor, gradient_tensor, measure
 from edgert.transport import Envelope, decode_envelope, encode_envelope, get_codec
-from edgert.transport.codec import TopKCodec
+from edgert.transport.codec import NoCodec, TopKCodec
+from edgert.transport.codec import round_trip as sent_as_received
 from edgert.transport.envelope import decode_tensor_entry, encode_tensor_entry
 from edgert.transport.errors import MalformedMessage, TooLarge, UnsupportedCodec
 from edgert.transport.limits import DEFAULT_LIMITS, Limits, MiB
@@ -172,3 +173,20 @@ def test_decoded_size_is_checked_before_allocation():
     data = coded("topk", shape=[4096, 4096], index=typed(70, b"", [0]), value=typed(85, b"", [0]))
     with pytest.raises(TooLarge):
         decode_tensor_entry(data, Limits(max_tensor_bytes=1 << 20))
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.25"])
+def test_a_round_trip_is_what_the_receiver_decodes_and_encodes_once(spec):
+    """A sender that also uses its tensor as sent (a group member) gets exactly what the receiver decodes, and a
+    top-k residual advances once per send, not twice."""
+    codec = get_codec(spec)
+    value = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    sent, precoded = sent_as_received(codec, "gradient", value, DEFAULT_LIMITS)
+    received = decode_envelope(encode_envelope(Envelope("group_gradients", tensors={"gradient": value}),
+                                               {"gradient": precoded})).tensors["gradient"]
+    np.testing.assert_array_equal(sent, received)
+    assert not np.array_equal(sent, value)
+    if isinstance(codec, TopKCodec):
+        np.testing.assert_array_equal(codec.residual("gradient"), value - sent)  # one encode's residual
+    unchanged, same = sent_as_received(NoCodec(), "gradient", value, DEFAULT_LIMITS)
+    assert unchanged is value and isinstance(same, NoCodec)
