@@ -186,7 +186,7 @@ def _analysis_json(analysis) -> dict:
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=TrainingConfig.optimizer, show_default=True)
 @click.option("--groups/--no-groups", "allow_groups", default=True, show_default=True,
               help="Let a stage run on a group of devices that split each micro-batch, where that pays "
-                   "(--no-groups: one device a stage; edgert train --resume does not take a plan with groups yet).")
+                   "(--no-groups: one device a stage).")
 @click.option("--json", "as_json", is_flag=True, help="Print placement.json's content.")
 def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int, micro_batches: int, schedule: str,
                  memory_mode: str, learning_rate: float, optimizer: str, allow_groups: bool, as_json: bool) -> None:

@@ -59,9 +59,10 @@ from edgert.schedule import SCHEDULES
               help="Steps between re-planning checks.")
 @click.option("--replan-threshold", type=float, default=TrainConfig.replan_threshold, show_default=True,
               help="Re-plan only for a predicted speed-up above this fraction.")
-@click.option("--replan-groups/--no-replan-groups", default=TrainConfig.replan_groups, show_default=True,
-              help="Let a live re-plan form, grow, shrink or re-form data-parallel groups (a joining worker may "
-                   "join a group without a re-cut); --no-replan-groups: one worker a stage after a re-plan.")
+@click.option("--replan-groups/--no-replan-groups", default=TrainConfig.replan_groups,
+              help="Let a live re-plan, a recovery that re-cuts and --resume form, grow, shrink or re-form "
+                   "data-parallel groups (a joining worker may join a group without a re-cut). Default: for "
+                   "models without BatchNorm, where a group trains exactly as one device.")
 @click.option("--replan-at", multiple=True, help='Force a re-plan before a step: "STEP" or "STEP:CUT,CUT" (block '
               "indices). Repeatable.")
 @click.option("--devices", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -84,7 +85,7 @@ def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs
                   listen: str | None, keys: Path | None,
                   insecure: bool, advertise: str | None,
                   step_timeout: float, replan: str, replan_every: int, replan_threshold: float,
-                  replan_groups: bool, replan_at: tuple[str, ...], devices: Path | None, replicate_every: int,
+                  replan_groups: bool | None, replan_at: tuple[str, ...], devices: Path | None, replicate_every: int,
                   central_every: int,
                   replicas: int, resume_run: Path | None, as_json: bool, log_level: str) -> None:
     start_logging(log_level)

@@ -81,7 +81,9 @@ class TrainConfig:
     replan_every: int = 10
     replan_threshold: float = 0.1
     replan_at: tuple[tuple[int, tuple[int, ...] | None], ...] = ()  # forced: (before step, block cuts or None)
-    replan_groups: bool = True  # a live re-plan may let a data-parallel group of workers hold a stage
+    # a live re-plan, a re-cutting recovery or a resume may let a data-parallel group of workers hold a stage;
+    # None: where a group is exact, a model whose forward updates no running statistics (BatchNorm)
+    replan_groups: bool | None = None
     devices: Path | None = None
     memory_mode: str = RunSettings.memory_mode
     replicate_every: int = RunSettings.replicate_every
@@ -123,9 +125,7 @@ class Coordinator:
             claim_run_folder(config.out_dir, config.overwrite)
         manifest = load_manifest(config.plan_dir)
         shares = planned_shares(config.plan_dir, len(manifest.stages))
-        if config.resume:
-            if any(len(stage_shares) > 1 for stage_shares in shares):
-                raise TrainingError(f"{config.plan_dir}: resuming a run whose plan has groups is not supported yet")
+        if config.resume:  # the workers given, placed anew from the snapshot (Recovery.resume): groups too
             order, groups = list(config.workers), []
             saved = read_run_file(config.out_dir)
             # a run folder written before runs had their own ids is named by its folder

@@ -90,17 +90,18 @@ class Recovery:
             raise TrainingError(f"{self.central.folder}: no complete snapshot to resume from "
                                 f"(snapshots are written every --central-every steps)")
         step, manifest, plan_dir = stored.step, stored.manifest, stored.plan_dir
-        order = state.order
+        order, groups = state.order, []
         workers = [state.known[url] for url in order]
         if len(workers) != len(manifest.stages) or not (plan_dir / MANIFEST_NAME).is_file():
             plan_dir = self._out_dir / "plans" / f"resume-{step}"
-            manifest, order, _ = await self._replanning.placement_for(manifest, workers, plan_dir)
-        state.place(manifest, plan_dir, order, [state.known[u] for u in order])
-        links = await assign(self._client, manifest, plan_dir, state.order, state.names, state.settings)
-        await self._restore(manifest, state.order, step, {COORDINATOR: self.central.holdings()})
-        self._ledger.restart(state.names, after=step)
+            manifest, order, _, groups = await self._replanning.placement_for(manifest, workers, plan_dir)
+        state.place(manifest, plan_dir, order, [state.known[u] for u in order], groups)
+        links = await assign(self._client, manifest, plan_dir, state.order, state.names, state.settings, groups)
+        await self._restore(manifest, state.order, step, {COORDINATOR: self.central.holdings()}, groups)
+        self._ledger.restart(state.names, after=step, members=state.member_counts())
         self._log.event("resume", snapshot_step=step, resume_step=step + 1, workers=state.names,
-                        cuts=list(manifest.cuts), process_started_s=self._log.opened_s)
+                        cuts=list(manifest.cuts), process_started_s=self._log.opened_s,
+                        **({"groups": groups_record(groups, state.known)} if any(groups) else {}))
         self._log.event("links", before_step=step + 1, links=links_record(state.names, links))
         return step + 1
 
@@ -122,8 +123,8 @@ class Recovery:
         if regrouped is None:  # a stage lost every worker (or no group lost one): re-cut for the survivors
             workers = [state.known[u] for u in survivors]  # however many: idle ones that joined too
             folder = self._out_dir / "plans" / f"recovery{self._recoveries + 1}"
-            manifest, order, new_names = await self._replanning.placement_for(state.manifest, workers, folder)
-            groups: list[StageGroup | None] = []
+            manifest, order, new_names, groups = await self._replanning.placement_for(state.manifest, workers,
+                                                                                       folder)
         else:  # the failed members' shares are re-spread over their groups: the same cuts, no plan to build
             manifest, folder = state.manifest, state.plan_dir
             order, groups = regrouped

@@ -3,11 +3,12 @@
 Every ``--replan-every`` completed steps (and when a worker joins) the placement is checked
 against the times measured lately, while the pipeline keeps going; while a worker that joined
 is idle, it is weighed at every such check whatever ``--replan`` says. The planner may form,
-grow, shrink or re-form data-parallel groups (``--replan-groups``): a worker that joins a
-group with the cuts unchanged needs no re-cut. A better placement whose gain over the steps
-left, its pause included, reaches the threshold is applied at a step boundary: the run loop
-cuts the segment at the last step whose data was sent and drains the pipeline, then the new
-stages are assigned and their state migrates between workers (edgert.coordinator.assignment).
+grow, shrink or re-form data-parallel groups (``--replan-groups``; by default for models
+without batch statistics): a worker that joins a group with the cuts unchanged needs no
+re-cut. A better placement whose gain over the steps left, its pause included, reaches the
+threshold is applied at a step boundary: the run loop cuts the segment at the last step whose
+data was sent and drains the pipeline, then the new stages are assigned and their state
+migrates between workers (edgert.coordinator.assignment).
 """
 
 from __future__ import annotations
@@ -128,6 +129,13 @@ class Replanning:
         return [name for url, name in state.known.items() if url not in state.placed()]
 
     @property
+    def groups_allowed(self) -> bool:
+        """Whether the planner may put groups on stages: ``--replan-groups``, by default where a group is exact (no
+        stage's forward updates running statistics: each member would normalise with its own rows')."""
+        chosen = self._config.replan_groups
+        return chosen if chosen is not None else not any(s.buffer_updates for s in self._state.manifest.stages)
+
+    @property
     def steps_left(self) -> int:
         """Steps the run still has to complete."""
         return max(0, self._last_step - self._ledger.completed_through)
@@ -201,12 +209,22 @@ class Replanning:
         return groups
 
     async def placement_for(self, manifest: Manifest, workers: list[str],
-                            folder: Path) -> tuple[Manifest, list[str], list[str]]:
+                            folder: Path) -> tuple[Manifest, list[str], list[str], list[StageGroup | None]]:
         """``manifest``'s model cut for ``workers`` (by name), whatever the times say, built into ``folder``:
-        the new manifest and the URLs and names of its stages' workers (a recovery, a resume)."""
-        proposal = self._replanner.propose(manifest, None, force=True, candidates=workers)
+        the new manifest, the URLs and names of its stages' workers (a group's holder of record) and the
+        groups (a recovery that must re-cut, a resume). Groups as ``--replan-groups`` allows, and only where
+        every member gets rows of the smallest micro-batch."""
+        config = self._config
+        proposal = self._replanner.propose(manifest, None, force=True, candidates=workers,
+                                           allow_groups=self.groups_allowed)
+        groups = self._groups(proposal)
+        try:
+            check_splittable(groups, config.batch_size, config.micro_batches, config.schedule)
+        except TrainingError:
+            proposal = self._replanner.propose(manifest, None, force=True, candidates=workers)
+            groups = [None] * len(proposal.workers)
         built = await self._build(list(proposal.cuts), folder)
-        return built, self._urls(proposal.workers), list(proposal.workers)
+        return built, self._urls(proposal.workers), list(proposal.workers), groups
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -229,7 +247,7 @@ class Replanning:
             proposal = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: self._replanner.propose(state.manifest, state.names, candidates=workers,
                                                       steps_left=steps_left, members=state.member_names(),
-                                                      allow_groups=self._config.replan_groups))
+                                                      allow_groups=self.groups_allowed))
         except EdgertError as error:  # a check that cannot plan keeps the placement; training goes on
             log.warning("placement check after step %d failed: %s", self._ledger.completed_through, error)
             self._log.event("placement_check", after_step=self._ledger.completed_through, steps_left=steps_left,

@@ -6,6 +6,7 @@ clean run's over the same samples within 1e-4.
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from edgert.models import build_model, save_model
 from edgert.protocol import JOIN, WEIGHTS
 from edgert.transport import BadRequest, Envelope, SyncClient
 from tests.running_coordinator import final_parameters, free_port
+from tests.zoo_plans import write_groups
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 STEPS = 40
@@ -361,3 +363,21 @@ def test_resume_with_more_workers_than_the_snapshot_has_stages(plan2, clean2, tm
         coordinator = _train_process(plan2, cluster.urls[:2], out, steps=STEPS2)
         resumed = _kill_and_resume(coordinator, out, "--workers", ",".join(cluster.urls))
     _check_resumed(resumed, out, clean2)
+
+
+def test_a_run_whose_plan_has_groups_resumes(plan2, clean2, tmp_path):
+    """The coordinator of a 2-stage run with a 0.6/0.4 group on stage 1 dies; `edgert train --resume` with the
+    same 3 workers places them anew from the snapshot (groups allowed) and ends as the clean run."""
+    plan = tmp_path / "plan"
+    shutil.copytree(plan2, plan)
+    with LocalCluster(3, slowdowns=["8"] * 3) as cluster:
+        write_groups(plan, [(cluster.urls[0],), tuple(cluster.urls[1:])], [(1.0,), (0.6, 0.4)])
+        out = tmp_path / "run"
+        coordinator = _train_process(plan, cluster.urls, out, steps=STEPS2)
+        resumed = _kill_and_resume(coordinator, out)
+    _check_resumed(resumed, out, clean2)
+    written = read_metrics(out, superseded=True)
+    assert [m for m in written if m.get("event") == "stages_assigned"][0]["groups"]  # it ran with the group
+    (resume,) = [m for m in written if m.get("event") == "resume"]
+    assert sorted(resume["workers"] + [w for g in resume.get("groups", {}).values() for w in g["workers"][1:]]) \
+        == sorted(cluster.names)  # every worker given is placed again

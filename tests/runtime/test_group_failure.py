@@ -12,7 +12,8 @@ from edgert.exporter.export import ExportOptions, export_plan
 from edgert.groups import StageGroup
 from edgert.manifest import TrainingConfig
 from edgert.models import build_model, save_model
-from tests.runtime.test_groups_train import largest_relative_difference, members_of, parameters, write_groups
+from tests.runtime.test_groups_train import largest_relative_difference, members_of, parameters
+from tests.zoo_plans import write_groups
 
 STEPS = 30
 SHARES = ((1.0,), (0.5, 0.5), (1.0,))

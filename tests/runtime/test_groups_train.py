@@ -6,7 +6,6 @@ import itertools
 import json
 import threading
 import time
-from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from edgert.coordinator.profiling import profile_devices
 from edgert.coordinator.runlog import read_metrics
 from edgert.coordinator.stage_groups import check_splittable, member_rows, place_workers
 from edgert.devices import load_devices, save_devices
-from edgert.exporter.device_plan import PLACEMENT_NAME, PlannedPlacement, PlannedStage
+from edgert.exporter.device_plan import PLACEMENT_NAME
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.planner.replanner import Replanner
 from edgert.exporter.planner.solver import evaluate
@@ -30,6 +29,7 @@ from edgert.protocol import JOIN, WEIGHTS
 from edgert.transport import ClientConfig, Envelope, SyncClient
 from edgert.weights import StageState, load_state
 from tests.running_coordinator import free_port
+from tests.zoo_plans import write_groups
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,20 +42,6 @@ STEPS = 20
 def cluster(tmp_path_factory):
     with LocalCluster(5, log_dir=tmp_path_factory.mktemp("worker-logs")) as running:
         yield running
-
-
-def write_groups(plan_dir, members, shares):
-    """A placement.json for the plan in ``plan_dir``: stage ``k`` on ``members[k]`` workers with ``shares[k]``."""
-    stages = []
-    for entry, urls, parts in zip(load_manifest(plan_dir).stages, members, shares):
-        names = tuple(f"w{entry.index}.{j}" for j in range(len(urls)))
-        group = {} if len(urls) == 1 else {"devices": names, "urls": tuple(urls), "shares": tuple(parts)}
-        stages.append(PlannedStage(entry.index, entry.blocks, names[0], urls[0], 1.0, 1, 1, **group))
-    placement = PlannedPlacement(stages=tuple(stages), link_codecs=("none",) * (len(stages) - 1),
-                                 link_ms=(1.0,) * (len(stages) - 1), bottleneck_ms=1.0, predicted_step_ms=10.0,
-                                 unused_devices=(), schedule="gpipe", batch_size=64, micro_batches=4,
-                                 memory_mode="recompute")
-    (plan_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(placement)))
 
 
 @pytest.fixture(scope="module")
