@@ -63,11 +63,13 @@ class Migration:
 
 
 async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str],
-                 briefing: RunBriefing, groups: list[StageGroup | None] | None = None) -> tuple[LinkCodecs, ...]:
+                 briefing: RunBriefing, groups: list[StageGroup | None] | None = None,
+                 planned: tuple[str, ...] = ()) -> tuple[LinkCodecs, ...]:
     """Send stage ``k`` of ``manifest`` to worker ``order[k]`` (to every member of ``groups[k]``, when a group
-    holds it), all at once; the codecs each link was given."""
+    holds it), all at once; the codecs each link was given (``planned``: the planner's per link, else the
+    plan folder's)."""
     stages = len(manifest.stages)
-    links = link_codecs(plan_dir, stages, briefing)
+    links = link_codecs(plan_dir, stages, briefing, planned)
     grouped = list(groups or [None] * stages)
 
     def members(k: int) -> tuple[str, ...]:
@@ -105,18 +107,21 @@ def links_record(names: list[str], links: tuple[LinkCodecs, ...]) -> list[dict[s
              "backward": link.backward} for k, link in enumerate(links)]
 
 
-def link_codecs(plan_dir: Path, stages: int, briefing: RunBriefing) -> tuple[LinkCodecs, ...]:
+def link_codecs(plan_dir: Path, stages: int, briefing: RunBriefing,
+                planned: tuple[str, ...] = ()) -> tuple[LinkCodecs, ...]:
     """Each link's codecs: in a direction of ``briefing.planned_codecs``, the planner's choice for that link
-    (``placement.json``'s ``link_codecs``, which the planner costs for both directions alike); otherwise, or
-    for a plan folder without ``placement.json`` (a re-plan's or a recovery's), the run's settings'."""
-    placement = load_placement(plan_dir) if briefing.planned_codecs else None
-    if placement is not None and len(placement.link_codecs) != stages - 1:
-        raise AssignmentError(f"{plan_dir / PLACEMENT_NAME}: {len(placement.link_codecs)} link codecs for a plan of "
-                              f"{stages} stages (expected {stages - 1})")
+    (``planned``, a live re-plan's or a recovery's; else ``placement.json``'s ``link_codecs``: the planner
+    costs both directions alike); otherwise, or with neither, the run's settings'."""
+    chosen, source = (planned, "the planner") if planned else (None, plan_dir / PLACEMENT_NAME)
+    if briefing.planned_codecs and chosen is None:
+        chosen = getattr(load_placement(plan_dir), "link_codecs", None)
+    if chosen is not None and len(chosen) != stages - 1:
+        raise AssignmentError(f"{source}: {len(chosen)} link codecs for a plan of {stages} stages "
+                              f"(expected {stages - 1})")
 
     def codec(direction: str, link: int) -> str:
-        if placement is not None and direction in briefing.planned_codecs:
-            return placement.link_codecs[link]
+        if chosen is not None and direction in briefing.planned_codecs:
+            return chosen[link]
         return getattr(briefing.settings, f"{direction}_codec")
 
     return tuple(LinkCodecs(*(codec(direction, k) for direction in DIRECTIONS)) for k in range(stages - 1))

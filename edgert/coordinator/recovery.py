@@ -90,13 +90,15 @@ class Recovery:
             raise TrainingError(f"{self.central.folder}: no complete snapshot to resume from "
                                 f"(snapshots are written every --central-every steps)")
         step, manifest, plan_dir = stored.step, stored.manifest, stored.plan_dir
-        order, groups = state.order, []
+        order, groups, codecs = state.order, [], ()
         workers = [state.known[url] for url in order]
         if len(workers) != len(manifest.stages) or not (plan_dir / MANIFEST_NAME).is_file():
             plan_dir = self._out_dir / "plans" / f"resume-{step}"
-            manifest, order, _, groups = await self._replanning.placement_for(manifest, workers, plan_dir)
-        state.place(manifest, plan_dir, order, [state.known[u] for u in order], groups)
-        links = await assign(self._client, manifest, plan_dir, state.order, state.names, state.settings, groups)
+            placed = await self._replanning.placement_for(manifest, workers, plan_dir)
+            manifest, order, groups, codecs = placed.manifest, placed.order, placed.groups, placed.link_codecs
+        state.place(manifest, plan_dir, order, [state.known[u] for u in order], groups, codecs)
+        links = await assign(self._client, manifest, plan_dir, state.order, state.names, state.settings, groups,
+                             codecs)
         await self._restore(manifest, state.order, step, {COORDINATOR: self.central.holdings()}, groups)
         self._ledger.restart(state.names, after=step, members=state.member_counts())
         self._log.event("resume", snapshot_step=step, resume_step=step + 1, workers=state.names,
@@ -123,17 +125,19 @@ class Recovery:
         if regrouped is None:  # a stage lost every worker (or no group lost one): re-cut for the survivors
             workers = [state.known[u] for u in survivors]  # however many: idle ones that joined too
             folder = self._out_dir / "plans" / f"recovery{self._recoveries + 1}"
-            manifest, order, new_names, groups = await self._replanning.placement_for(state.manifest, workers,
-                                                                                       folder)
+            placed = await self._replanning.placement_for(state.manifest, workers, folder)
+            manifest, order, new_names, groups = placed.manifest, placed.order, placed.names, placed.groups
+            codecs = placed.link_codecs
         else:  # the failed members' shares are re-spread over their groups: the same cuts, no plan to build
             manifest, folder = state.manifest, state.plan_dir
             order, groups = regrouped
             new_names = [state.known[u] for u in order]
+            codecs = state.link_codecs  # the same links as before the failure
         built = time.monotonic()
-        links = await assign(self._client, manifest, folder, order, new_names, state.settings, groups)
+        links = await assign(self._client, manifest, folder, order, new_names, state.settings, groups, codecs)
         moved = await self._restore(manifest, order, snapshot, holdings, groups)
         self._recoveries += 1
-        state.place(manifest, folder, order, new_names, groups)
+        state.place(manifest, folder, order, new_names, groups, codecs)
         self._evaluation.use_plan(folder, manifest)
         self._failures.recovered(failed)  # a worker that died meanwhile (an idle one, say) is recovered from next
         after = snapshot if snapshot is not None else -1

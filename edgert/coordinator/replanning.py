@@ -18,6 +18,7 @@ import logging
 import re
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,18 @@ log = logging.getLogger("edgert.coordinator.replanning")
 
 SHIFT_WINDOW = 2  # steps a placement check looks at when a device has just changed speed
 QUICK_PROFILE_REPEATS = 2  # timed calls per unit when a joining or unprofiled worker is measured
+
+
+@dataclass(frozen=True)
+class NewPlacement:
+    """A placement made for a given set of workers: the plan built for it, each stage's worker (URL and name; a
+    group's holder of record), the groups (None for a stage of one worker), the planner's codec per link."""
+
+    manifest: Manifest
+    order: list[str]
+    names: list[str]
+    groups: list[StageGroup | None]
+    link_codecs: tuple[str, ...]
 
 
 class Replanning:
@@ -168,10 +181,11 @@ class Replanning:
         idle_before = self.idle_workers()
         old_manifest, old_members, old_cuts = state.manifest, [state.members(k) for k in range(len(state.order))], \
             list(state.manifest.cuts)
-        links = await assign(self._client, manifest, folder, order, list(proposal.workers), state.settings, groups)
+        links = await assign(self._client, manifest, folder, order, list(proposal.workers), state.settings, groups,
+                             proposal.link_codecs)
         new_members = [g.members if g is not None else (url,) for g, url in zip(groups, order)]
         moved = await migrate(self._client, state.run_id, old_manifest, old_members, manifest, new_members)
-        state.place(manifest, folder, order, list(proposal.workers), groups)
+        state.place(manifest, folder, order, list(proposal.workers), groups, proposal.link_codecs)
         self._ledger.configure(state.names, state.member_counts())
         pause = time.perf_counter() - started
         self._replanner.record_pause(pause, recut)
@@ -208,12 +222,10 @@ class Replanning:
                                      tuple(members)))
         return groups
 
-    async def placement_for(self, manifest: Manifest, workers: list[str],
-                            folder: Path) -> tuple[Manifest, list[str], list[str], list[StageGroup | None]]:
-        """``manifest``'s model cut for ``workers`` (by name), whatever the times say, built into ``folder``:
-        the new manifest, the URLs and names of its stages' workers (a group's holder of record) and the
-        groups (a recovery that must re-cut, a resume). Groups as ``--replan-groups`` allows, and only where
-        every member gets rows of the smallest micro-batch."""
+    async def placement_for(self, manifest: Manifest, workers: list[str], folder: Path) -> NewPlacement:
+        """``manifest``'s model cut for ``workers`` (by name), whatever the times say, built into ``folder`` (a
+        recovery that must re-cut, a resume). Groups as ``--replan-groups`` allows, and only where every
+        member gets rows of the smallest micro-batch."""
         config = self._config
         proposal = self._replanner.propose(manifest, None, force=True, candidates=workers,
                                            allow_groups=self.groups_allowed)
@@ -224,7 +236,8 @@ class Replanning:
             proposal = self._replanner.propose(manifest, None, force=True, candidates=workers)
             groups = [None] * len(proposal.workers)
         built = await self._build(list(proposal.cuts), folder)
-        return built, self._urls(proposal.workers), list(proposal.workers), groups
+        return NewPlacement(built, self._urls(proposal.workers), list(proposal.workers), groups,
+                            proposal.link_codecs)
 
     # -- the steps -------------------------------------------------------------------------------
 

@@ -34,13 +34,14 @@ class RunState:
     announced_through: int = -1  # the last step of the segments sent to the workers (copies come after)
     settings: RunBriefing | None = None  # what every stage assignment of this run carries
     groups: list[StageGroup | None] = field(default_factory=list)  # each stage's group (None: ``order[k]`` alone)
+    link_codecs: tuple[str, ...] = ()  # the live planner's codec per link (empty: the plan folder's, if any)
 
     def place(self, manifest: Manifest, plan_dir: Path, order: list[str], names: list[str],
-              groups: list[StageGroup | None] | None = None) -> None:
+              groups: list[StageGroup | None] | None = None, link_codecs: tuple[str, ...] = ()) -> None:
         """The placement changed: ``manifest``'s stages (built in ``plan_dir``) run on ``order``, named ``names``,
-        with ``groups`` (none: one worker per stage)."""
+        with ``groups`` (none: one worker per stage) and the planner's ``link_codecs`` (none: the plan folder's)."""
         self.manifest, self.plan_dir, self.order, self.names = manifest, plan_dir, order, list(names)
-        self.groups = list(groups or [])
+        self.groups, self.link_codecs = list(groups or []), tuple(link_codecs)
 
     def group(self, stage: int) -> StageGroup | None:
         """The group holding ``stage`` (None: its worker ``order[stage]`` alone)."""

@@ -112,6 +112,7 @@ class Proposal:
     reason: str
     members: tuple[tuple[str, ...], ...] = ()  # each stage's workers, a group's every member (empty: ``workers``)
     shares: tuple[tuple[float, ...], ...] = ()  # each member's part of every micro-batch, as ``members``
+    link_codecs: tuple[str, ...] = ()  # the planner's codec for each link (empty: forced cuts, none chosen)
 
     def stage_members(self) -> tuple[tuple[str, ...], ...]:
         """Each stage's workers: one, or a group's members."""
@@ -408,7 +409,8 @@ class Replanner:
         self.last_check["decision"] = "re-plan"
         return Proposal(new_cuts, new_workers, gain, current, proposed, reason,
                         members=new_members if grouped else (),
-                        shares=tuple(tuple(stage.shares) for stage in chosen.placement.stages) if grouped else ())
+                        shares=tuple(tuple(stage.shares) for stage in chosen.placement.stages) if grouped else (),
+                        link_codecs=tuple(chosen.placement.link_codecs))
 
     def _option(self, placement, manifest: Manifest, holders: list[tuple[str, ...]] | None) -> _Option:
         """The planner's placement as an option: a re-cut's pause, or a regroup's where the cuts stay."""

@@ -172,3 +172,34 @@ def test_int8_on_every_link_is_within_one_point_of_uncompressed_on_digits(cluste
     print(f"test accuracy: int8 links {compressed.test_accuracy:.4f}, uncompressed {exact.test_accuracy:.4f}")
     assert exact.test_accuracy >= 0.9
     assert abs(compressed.test_accuracy - exact.test_accuracy) <= 0.01
+
+
+def test_a_live_replan_gives_each_link_the_codec_the_planner_chooses(cluster, plans, tmp_path):
+    """The profiled workers' links measured at 200 kB/s, each with memory for 60% of the model: a re-plan (forced
+    at step 4, to the planner's placement) cuts the model in at least two and sends the new stages the planner's
+    compressing codec on each link, and records it."""
+    from edgert.coordinator.profiling import profile_devices
+    from edgert.devices import LinkProfile, save_devices
+    from edgert.exporter.planner.replanner import Replanner
+    from edgert.exporter.planner.solver import evaluate
+    from edgert.exporter.source import SOURCE_FILE
+
+    measured = profile_devices(plans["bare"] / SOURCE_FILE, cluster.urls, repeats=1)
+    flat = tuple(replace(d, blocks=tuple(replace(t, peak_bytes=0) for t in d.blocks),
+                         whole=d.whole and replace(d.whole, peak_bytes=0)) for d in measured.devices)
+    slow = replace(measured, devices=flat, links=tuple(LinkProfile(a.name, b.name, 2e5, 5.0)
+                                                       for a in flat for b in flat if a is not b))
+    replanner = Replanner(plans["bare"], load_manifest(plans["bare"]), tmp_path / "cache",
+                          devices=save_devices(slow, tmp_path / "measured.json"))
+    problem = replanner.problem([flat[0].name])
+    whole = evaluate(problem, [(0, len(problem.units), (flat[0].name,))]).stages[0].memory_bytes
+    small = replace(slow, devices=tuple(replace(d, memory_bytes=int(0.6 * whole)) for d in flat))
+    out = tmp_path / "run"
+    summary = run(plans["bare"], cluster.urls, out, steps=8, devices=save_devices(small, tmp_path / "devices.json"),
+                  replan_at=((4, None),))
+    assert summary.steps == 8 and summary.replans == 1
+    events = [m for m in read_metrics(out) if m["type"] == "event" and m["event"] == "links"]
+    assert [e.get("before_step") for e in events] == [None, 4]
+    assert {(link["forward"], link["backward"]) for link in events[0]["links"]} == {("none", "none")}
+    after = [(link["forward"], link["backward"]) for link in events[1]["links"]]
+    assert after and all(forward == backward != "none" for forward, backward in after), after
