@@ -154,30 +154,37 @@ def test_stashed_weights_give_the_gradients_of_the_weights_the_forward_used(tmp_
 
 
 def test_an_emulated_slowdown_times_a_group_members_calls_by_its_own_rows(tmp_path):
-    """A member owning 2 rows of every 8-row micro-batch warms up on 2 rows and is slowed against those warm
-    times: every call it times is keyed by its 2 rows, never by the micro-batch's 8 (which no warm-up measured)."""
+    """A member owning 2 rows of every 8-row micro-batch (the first of two stages) warms up on 2 rows and is
+    slowed against those warm times: every call it times is keyed by its 2 rows, never by the micro-batch's 8
+    (which no warm-up measured)."""
     from edgert.groups import StageGroup, StageRouting
-    from edgert.protocol import ACT, GROUP_GRAD, LABELS
+    from edgert.protocol import ACT, GRAD, GROUP_GRAD
     from edgert.schedule import Computation
     from edgert.worker.group_exchange import GRADIENT
     from edgert.worker.slowdown import SlowdownSchedule
 
-    plan = make_plan(tmp_path, name="mlp", stages=1)
+    plan = make_plan(tmp_path, name="mlp", stages=2)
     manifest = load_manifest(plan)
-    session = StageSession(manifest.stages[0], plan, manifest.training)
+    entry = manifest.stages[0]
+    session = StageSession(entry, plan, manifest.training)
     inbox, sent = Inbox(), []
-    routing = StageRouting(StageGroup(("a", "b"), (0.75, 0.25)), 1, None, None)
-    executor = StageExecutor(session, 0, inbox, lambda *_: None, lambda *_: None, SlowdownSchedule.parse("2"),
-                             wait_timeout=30, routing=routing, send_group=lambda *args: sent.append(args))
+    group = StageGroup(("a", "b"), (0.75, 0.25))
+    routing = StageRouting(group, 1, None, StageGroup(("c",), (1.0,)))
+    def ignore(*_, **__):
+        return None
+
+    executor = StageExecutor(session, 0, inbox, ignore, ignore, SlowdownSchedule.parse("2"), wait_timeout=30,
+                             routing=routing, send_group=lambda *args: sent.append(args))
     micro = split_batch(0, 16, 2)
+    first_row = group.ranges(8)[1][0]
     rng = np.random.default_rng(0)
-    (spec,), (label,) = manifest.stages[0].inputs, manifest.stages[0].labels
+    (spec,), (out,) = entry.inputs, entry.outputs
     for m in micro:
         inbox.put((ACT, 0, m.index), {spec.name: rng.standard_normal(spec.shape_for(2)).astype(np.float32)})
-        inbox.put((LABELS, 0, m.index), {label.name: rng.integers(0, 10, 2).astype(np.int64)})
+        inbox.put((GRAD, 0, m.index, first_row), {out.name: rng.standard_normal(out.shape_for(2)).astype(np.float32)})
     inbox.put((GROUP_GRAD, 0, 0), {GRADIENT: np.zeros_like(session.gradient_flat())})
-    (report,) = executor.run_window(Window("gpipe", 1, tuple(micro)))
-    assert report.samples == 4 and len(sent) == 1
+    (report,) = executor.run_window(Window("gpipe", 2, tuple(micro)))
+    assert len(sent) == 1
     timed = set(executor.slowdown._warm)
     assert {(Computation.FORWARD, 2), (Computation.BACKWARD, 2)} <= timed
     assert not [call for call in timed if isinstance(call, tuple) and call[1] == 8], timed
