@@ -27,7 +27,7 @@ from edgert.coordinator.assignment import DIRECTIONS, RunBriefing, assign, links
 from edgert.coordinator.data import Batch, batches, load_training_data
 from edgert.coordinator.errors import AssignmentError, TrainingError, WorkerFailure
 from edgert.coordinator.evaluation import Evaluation
-from edgert.coordinator.failures import FailureDetector
+from edgert.coordinator.failures import FailureDetector, health_of
 from edgert.coordinator.inputs import read_report
 from edgert.coordinator.ledger import HISTORY, StepLedger, StepRecord
 from edgert.coordinator.progress import Progress
@@ -41,7 +41,7 @@ from edgert.coordinator.snapshots import CentralCopies
 from edgert.coordinator.stage_groups import check_splittable, groups_record, place_workers, planned_shares
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, TrainingConfig, load_manifest
-from edgert.protocol import HEALTH, REPORT, STOP, Health
+from edgert.protocol import REPORT, STOP, Health
 from edgert.run_settings import RunSettings
 from edgert.schedule import SCHEDULES
 from edgert.transport import ClientConfig, Request, TensorClient, TensorServer, TransportError
@@ -237,8 +237,7 @@ class Coordinator:
     async def _connect_workers(self) -> None:
         async def probe(url: str) -> Health:
             try:
-                response = await self.client.get(url, HEALTH, timeout=self.config.connect_timeout, retries=1)
-                return Health.from_envelope(response.envelope())
+                return await health_of(self.client, url, self.config.connect_timeout, retries=1)
             except (TransportError, OSError, EdgertError) as error:
                 raise TrainingError(f"worker {url} is not reachable: {error}") from None
 
@@ -257,8 +256,7 @@ class Coordinator:
             if url in self.state.known:
                 continue
             try:
-                health = Health.from_envelope((await self.client.get(
-                    url, HEALTH, timeout=self.config.connect_timeout, retries=0)).envelope())
+                health = await health_of(self.client, url, self.config.connect_timeout)
             except (TransportError, OSError, EdgertError) as error:
                 self.log.event("join_forgotten", worker=name, url=url, reason=str(error))
                 self._progress.message(f"worker {name} had joined from {url} but does not answer: left out")

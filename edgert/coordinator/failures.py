@@ -20,13 +20,18 @@ from edgert.coordinator.errors import TrainingError, WorkerFailure
 from edgert.coordinator.ledger import StepLedger
 from edgert.coordinator.run_state import RunState
 from edgert.coordinator.runlog import RunLog
-from edgert.protocol import HEALTH
+from edgert.protocol import HEALTH, Health
 from edgert.transport import TensorClient, TransportError
 
 log = logging.getLogger("edgert.coordinator.failures")
 MIN_DEADLINE_S = 1.0
 DEADLINE_FACTOR = 4.0  # a step slower than this many median steps makes the coordinator probe the workers
 PROBE_TIMEOUT_S = 1.0  # each of a probe's two health requests
+
+
+async def health_of(client: TensorClient, url: str, timeout: float = PROBE_TIMEOUT_S, retries: int = 0) -> Health:
+    """A worker's ``GET /health``, read; raises TransportError or OSError (no answer), EdgertError (a bad one)."""
+    return Health.from_envelope((await client.get(url, HEALTH, timeout=timeout, retries=retries)).envelope())
 
 
 async def answers(client: TensorClient, url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:

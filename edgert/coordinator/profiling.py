@@ -16,12 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgert.coordinator.failures import health_of
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile
 from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.source import load_source_model
 from edgert.manifest import Manifest, StageEntry, TrainingConfig
-from edgert.protocol import HEALTH, PROBE, PROFILE, Health, Peers, ProfileOptions, StageAssignment
+from edgert.protocol import PROBE, PROFILE, Peers, ProfileOptions, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.security.keystore import HostSecurity
@@ -104,7 +105,7 @@ async def _profile(plans: ProfilePlans, workers: list[str], micro_batch: int, re
 
 async def _name(client: TensorClient, url: str) -> str:
     try:
-        return Health.from_envelope((await client.get(url, HEALTH, timeout=5.0)).envelope()).name
+        return (await health_of(client, url, timeout=5.0)).name
     except (TransportError, OSError) as error:
         raise ExportError(f"worker {url} is not reachable: {error}") from None
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from edgert.coordinator.assignment import assign, links_record, migrate
 from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.evaluation import Evaluation
-from edgert.coordinator.failures import FailureDetector
+from edgert.coordinator.failures import FailureDetector, health_of
 from edgert.coordinator.ledger import StepLedger
 from edgert.coordinator.progress import Progress
 from edgert.coordinator.run_state import RunState
@@ -36,7 +36,7 @@ from edgert.devices import save_devices
 from edgert.errors import EdgertError
 from edgert.groups import StageGroup
 from edgert.manifest import Manifest
-from edgert.protocol import HEALTH, JOIN, Health, JoinRequest, read_request
+from edgert.protocol import JOIN, JoinRequest, read_request
 from edgert.security.admission import StageSigning
 from edgert.transport import BadRequest, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.errors import Forbidden, ServiceUnavailable
@@ -310,7 +310,7 @@ class Replanning:
         if not self._ready:
             raise ServiceUnavailable("the run is starting (profiling its workers); join again shortly")
         try:
-            health = Health.from_envelope((await self._client.get(url, HEALTH, timeout=5.0)).envelope())
+            health = await health_of(self._client, url, timeout=5.0)
         except (TransportError, EdgertError) as error:
             raise BadRequest(f"{url} does not answer: {error}") from None
         if request.identity is not None and request.identity.name != health.name:
