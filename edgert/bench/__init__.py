@@ -14,6 +14,8 @@ Map of the package:
 - ``faults.py``     fault injection shared with the tests: kill workers mid-step, tail ``metrics.jsonl``
 - ``pipeline.py``   ``edgert bench pipeline``: edgert's overhead over bare ORT, 1F1B's pipeline efficiency
 - ``torch_peer.py`` the torch.distributed.pipelining peer of ``edgert bench pipeline`` (where torch is installed)
+- ``hop.py``        an idle hop (compute thread -> CoAP -> the peer's compute thread) and its raw TCP floor
+- ``calls.py``      a stage call's own cost: the runtime's forward/backward vs bare ``InferenceSession.run``
 - ``hetero.py``     ``edgert bench hetero``: planned vs equal cuts vs the ideal on unequal devices, re-planning
 - ``elastic.py``    ``edgert bench elastic``: a device that joins mid-run, steps until it computes
 - ``groups.py``     ``edgert bench groups``: hybrid placements vs the best pipeline, speed-weighted vs equal shares

@@ -19,6 +19,12 @@
 4. ``torch_pipelining_4stage_1f1b``: the same shape trained by ``torch.distributed.pipelining``
    (edgert/bench/torch_peer.py; where torch is installed): ``edgert_vs_torch_pipelining`` is
    edgert's slowdown-1 samples/s over it.
+5. ``idle_hop`` (first, on the idle machine; edgert/bench/hop.py): a compute thread's 8 KiB
+   activation to a peer process's waiting compute thread over the worker's own path, median and
+   10th percentile, beside half a raw TCP round trip of the same bytes (``hop_vs_raw_tcp``).
+6. ``stage_call`` (edgert/bench/calls.py): the runtime's forward and backward of the pipeline's
+   stage 1 on one micro-batch against bare ``InferenceSession.run`` (``call_vs_bare_session``),
+   and a 1-row backward: the fixed cost per call (``fixed_share_of_backward``).
 
 Which figures are the headline depends on the machine. Emulation slows only the compute: on
 a real board the Python message path slows down as much, so the slowdown-1 figures are the
@@ -43,7 +49,9 @@ from typing import Any
 import numpy as np
 
 from edgert.bench import torch_peer
+from edgert.bench.calls import call_costs
 from edgert.bench.harness import key_value_lines, option, ratio, result
+from edgert.bench.hop import idle_hop
 from edgert.bench.runs import train_run
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.exporter.export import ExportOptions, export_plan
@@ -120,7 +128,9 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
     """The runs; returns ``{"rows": [...], "ratios": {...}, "headline": ..., ...}``."""
     spec = get_model_spec(config.model)
     data = load_dataset(spec.dataset, spec)
-    rows = []
+    hop = idle_hop()
+    rows = [{"run": "idle_hop", "bytes": hop["envelope_bytes"], "median_ms": round(hop["hop_median_ms"], 3),
+             "p10_ms": round(hop["hop_p10_ms"], 3), "raw_tcp_median_ms": round(hop["raw_tcp_median_ms"], 3)}]
     with tempfile.TemporaryDirectory(prefix="edgert-bench-") as scratch:
         folder = Path(scratch)
         save_model(build_model(config.model), folder / "model.onnx")
@@ -142,6 +152,9 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         manifest = export_plan(folder / "pipeline.onnx", folder / "plan4",
                                ExportOptions(stages=STAGES, training=training))
         blocks = [len(s.blocks) for s in manifest.stages]
+        calls = call_costs(folder / "plan4", 1, config.batch_size // MICRO_BATCHES)
+        rows.append({"run": "stage_call", "model": config.pipeline_model, "stage": 1,
+                     "rows": config.batch_size // MICRO_BATCHES, **{k: round(v, 4) for k, v in calls.items()}})
         pipelined = {}
         for slowdown in dict.fromkeys(("1", config.slowdown)):  # real compute first, then the emulated devices
             with LocalCluster(STAGES, slowdowns=[slowdown] * STAGES) as four:
@@ -173,6 +186,10 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
                        f"f1b_vs_simulated{suffix}": ratio(figures["simulated_ms"], figures["measured_ms"], 3),
                        f"f1b_schedule_ceiling{suffix}": ratio(figures["ideal_ms"], figures["simulated_ms"], 3)})
     ratios["edgert_vs_torch_pipelining"] = ratio(pipelined["1"][0], peer, 3)
+    ratios["hop_vs_raw_tcp"] = ratio(hop["hop_median_ms"], hop["raw_tcp_median_ms"], 2)
+    ratios["call_vs_bare_session"] = ratio(calls["bare_forward_ms"] + calls["bare_backward_ms"],
+                                           calls["forward_ms"] + calls["backward_ms"], 3)
+    ratios["fixed_share_of_backward"] = ratio(calls["backward_1row_ms"], calls["backward_ms"], 3)
     cores = os.cpu_count() or 1
     honest = cores >= CORES_PER_WORKER * STAGES
     headline = (f"slowdown 1 (real compute, {cores} cores: {CORES_PER_WORKER} or more per worker)" if honest else
@@ -191,5 +208,15 @@ def format_table(outcome: dict[str, Any]) -> str:
     lines = [f"headline: {outcome['headline']}",
              "  " + "  ".join(f"{name}={figures.get(name + suffix)}" for name in names),
              f"  edgert_vs_torch_pipelining={figures['edgert_vs_torch_pipelining']} (slowdown 1"
-             f"{'' if outcome['peer'] is None else '; ' + outcome['peer']})", "", key_value_lines(outcome)]
+             f"{'' if outcome['peer'] is None else '; ' + outcome['peer']})"]
+    hop = next((row for row in outcome["rows"] if row["run"] == "idle_hop"), None)
+    call = next((row for row in outcome["rows"] if row["run"] == "stage_call"), None)
+    if hop is not None:
+        lines.append(f"idle hop: median {hop['median_ms']} ms, p10 {hop['p10_ms']} ms (half a raw TCP round trip "
+                     f"of the same {hop['bytes']} bytes: {hop['raw_tcp_median_ms']} ms)")
+    if call is not None:
+        lines.append(f"per call (stage 1, {call['rows']} rows): forward {call['forward_ms']} ms (bare session "
+                     f"{call['bare_forward_ms']}), backward {call['backward_ms']} ms (bare "
+                     f"{call['bare_backward_ms']}), backward of 1 row {call['backward_1row_ms']} ms")
+    lines += ["", key_value_lines(outcome)]
     return "\n".join(lines)

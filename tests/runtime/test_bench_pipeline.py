@@ -33,9 +33,14 @@ def test_the_benchmark_prints_rows_and_ratios(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     runs = [(row["run"], row.get("slowdown")) for row in data["rows"]]
-    assert runs[:4] == [("bare_ort", None), ("edgert_1stage", None), ("edgert_4stage_1f1b", "1"),
-                        ("edgert_4stage_1f1b", "8")]
+    assert runs[:5] == [("idle_hop", None), ("bare_ort", None), ("edgert_1stage", None), ("stage_call", None),
+                        ("edgert_4stage_1f1b", "1")] and ("edgert_4stage_1f1b", "8") in runs
     ratios = data["ratios"]
+    hop, call = data["rows"][0], data["rows"][3]
+    # an idle hop costs more than the same bytes over a raw socket, and less than a step's worth of time
+    assert 0 < hop["raw_tcp_median_ms"] < hop["median_ms"] < 50 and ratios["hop_vs_raw_tcp"] > 1
+    assert 0 < call["bare_backward_ms"] and 0 < call["backward_1row_ms"] <= call["backward_ms"] * 1.5
+    assert 0 < ratios["call_vs_bare_session"] <= 1.2
     # this 2-core host cannot give each worker its cores: the emulated run is the headline, and it says so
     assert data["cores"] >= 16 or (data["headline"].startswith("slowdown 8") and data["headline_suffix"] == "")
     assert 0 < ratios["f1b_vs_simulated_slowdown1"] <= 1.1
