@@ -112,7 +112,7 @@ class Proposal:
     reason: str
     members: tuple[tuple[str, ...], ...] = ()  # each stage's workers, a group's every member (empty: ``workers``)
     shares: tuple[tuple[float, ...], ...] = ()  # each member's part of every micro-batch, as ``members``
-    link_codecs: tuple[str, ...] = ()  # the planner's codec for each link (empty: forced cuts, none chosen)
+    link_codecs: tuple[str, ...] = ()  # the planner's codec per measured link, else none (empty: forced cuts)
 
     def stage_members(self) -> tuple[tuple[str, ...], ...]:
         """Each stage's workers: one, or a group's members."""
@@ -410,7 +410,17 @@ class Replanner:
         return Proposal(new_cuts, new_workers, gain, current, proposed, reason,
                         members=new_members if grouped else (),
                         shares=tuple(tuple(stage.shares) for stage in chosen.placement.stages) if grouped else (),
-                        link_codecs=tuple(chosen.placement.link_codecs))
+                        link_codecs=self._measured_codecs(chosen))
+
+    def _measured_codecs(self, option: _Option) -> tuple[str, ...]:
+        """The planner's codec for each link whose every sender-receiver pair was measured (``devices.json``'s
+        links); ``none`` where one was not: a codec chosen against the fallback bandwidth is a guess."""
+        codecs = []
+        for k, codec in enumerate(option.placement.link_codecs):
+            pairs = [(a, b) for a in option.members[k] for b in option.members[k + 1]]
+            measured = self.devices is not None and all(self.devices.link(a, b) for a, b in pairs)
+            codecs.append(codec if measured else "none")
+        return tuple(codecs)
 
     def _option(self, placement, manifest: Manifest, holders: list[tuple[str, ...]] | None) -> _Option:
         """The planner's placement as an option: a re-cut's pause, or a regroup's where the cuts stay."""

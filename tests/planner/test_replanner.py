@@ -1,5 +1,7 @@
 """The re-planner's device costs: profiles, the latency predictor for unprofiled workers, learning online."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -293,3 +295,30 @@ def test_a_group_members_own_times_and_share_teach_its_speed(plan, three_devices
     replanner.observe(manifest, ["a", "b"], [(0.0, 99.0, 0.0), stage_1], 0.0, members)
     assert replanner._factor["c"] == pytest.approx(3.0, rel=1e-6)
     assert replanner._factor["a"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_a_link_nobody_measured_gets_no_codec_from_a_guess(plan, three_devices, tmp_path, monkeypatch):
+    """Devices with memory for 60% of the model (so it is cut), links so slow the planner compresses them: costed
+    at the fallback bandwidth (nobody measured them) the planner's codec is a guess and the link gets none; a
+    measured link keeps the planner's choice."""
+    import edgert.exporter.planner.replanner as replanner_module
+    from edgert.devices import LinkProfile, load_devices
+    from edgert.exporter.planner.solver import evaluate
+
+    monkeypatch.setattr(replanner_module, "FALLBACK_BANDWIDTH", 1e4)
+    manifest = load_manifest(plan)
+    profiled_devices = load_devices(three_devices)
+    problem = Replanner(plan, manifest, tmp_path / "m", devices=three_devices).problem(["a"])
+    whole = evaluate(problem, [(0, len(problem.units), ("a",))]).stages[0].memory_bytes
+    small = dataclasses.replace(profiled_devices, devices=tuple(dataclasses.replace(d, memory_bytes=int(0.6 * whole))
+                                                                for d in profiled_devices.devices))
+    guessed = Replanner(plan, manifest, tmp_path / "a", devices=save_devices(small, tmp_path / "small.json"),
+                        batch_size=64, micro_batches=4)
+    proposal = guessed.propose(manifest, ["a", "b"], force=True)
+    assert len(proposal.workers) > 1 and proposal.link_codecs == ("none",) * (len(proposal.workers) - 1)
+    slow_links = tuple(LinkProfile(x.name, y.name, 1e4, 1.0) for x in small.devices for y in small.devices
+                       if x is not y)
+    linked = save_devices(dataclasses.replace(small, links=slow_links), tmp_path / "linked.json")
+    known = Replanner(plan, manifest, tmp_path / "b", devices=linked, batch_size=64, micro_batches=4)
+    chosen = known.propose(manifest, ["a", "b"], force=True)
+    assert len(chosen.workers) > 1 and all(codec != "none" for codec in chosen.link_codecs), chosen
