@@ -21,7 +21,6 @@ from edgert.protocol import (
     GROUP_GRAD_KIND,
     RUN,
     STAGE,
-    STOP,
     WEIGHTS,
     Peers,
     Segment,
@@ -29,9 +28,9 @@ from edgert.protocol import (
 )
 from edgert.run_settings import RunSettings
 from edgert.stage import StageSession
-from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
+from edgert.transport import ClientConfig, Envelope, TensorClient
 from edgert.weights import StageState
-from tests.runtime.test_group_worker import StandIn
+from tests.hand_driven_worker import StandIn, end_hand_driven_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,12 +79,7 @@ async def member_step(worker: str, plan, training: TrainingConfig, inputs, gradi
             await asyncio.sleep(0.05)
         return {"sent": before, "after": after}
     finally:
-        try:
-            await client.post(worker, STOP, b"test over")
-        except TransportError:
-            pass
-        await client.close()
-        await stand_in.server.shutdown()
+        await end_hand_driven_run(client, worker, stand_in.server)
 
 
 def test_a_member_sees_its_own_rows_statistics_and_the_group_averages_the_running_ones_by_rows(plan):

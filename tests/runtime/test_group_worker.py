@@ -20,7 +20,6 @@ from edgert.protocol import (
     GRAD,
     GROUP_GRAD,
     GROUP_GRAD_KIND,
-    REPORT,
     RUN,
     STAGE,
     STOP,
@@ -30,8 +29,9 @@ from edgert.protocol import (
     StageAssignment,
 )
 from edgert.run_settings import RunSettings
-from edgert.transport import ClientConfig, Envelope, TensorClient, TensorServer, TransportError
+from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
 from edgert.weights import StageState
+from tests.hand_driven_worker import StandIn, end_hand_driven_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,38 +44,6 @@ def plan(tmp_path_factory):
     save_model(build_model("mlp"), folder / "mlp.onnx")
     export_plan(folder / "mlp.onnx", folder / "three", ExportOptions(stages=3))
     return folder / "three"
-
-
-class StandIn:
-    """A stand-in for every other party (the neighbours, the other member, the coordinator): records what it gets."""
-
-    def __init__(self) -> None:
-        self.server = TensorServer("coap+tcp://127.0.0.1:0")
-        self.received: dict[str, list[Envelope]] = {ACT: [], GRAD: [], GROUP_GRAD: []}
-        self.arrived = asyncio.Event()
-        for path, kind in ((ACT, DATA_KINDS[ACT]), (GRAD, DATA_KINDS[GRAD]), (GROUP_GRAD, GROUP_GRAD_KIND)):
-            self.server.add_resource(path, post=self._recorder(path), rt=f"edgert.{kind}", kinds=(kind,))
-        self.server.add_resource(REPORT, post=self._ignore, rt="edgert.report", kinds=("report",))
-
-    def _recorder(self, path):
-        async def record(request):
-            self.received[path].append(request.envelope)
-            self.arrived.set()
-        return record
-
-    async def _ignore(self, request):
-        return None
-
-    async def wait(self, path: str, count: int) -> list[Envelope]:
-        for _ in range(600):
-            if len(self.received[path]) >= count:
-                return self.received[path]
-            self.arrived.clear()
-            try:
-                await asyncio.wait_for(self.arrived.wait(), 0.1)
-            except asyncio.TimeoutError:
-                pass
-        raise AssertionError(f"no {count} /{path} message(s) arrived: {self.received}")
 
 
 async def member_one_step(worker: str, plan) -> dict:
@@ -152,12 +120,7 @@ async def member_one_step(worker: str, plan) -> dict:
         await client.post(worker, STOP, b"test over")
         result["after_stop"] = await status(ACT, dataclasses.replace(piece(ACT, 0, 2), step=9))
     finally:
-        try:
-            await client.post(worker, STOP, b"test over")
-        except TransportError:
-            pass
-        await client.close()
-        await stand_in.server.shutdown()
+        await end_hand_driven_run(client, worker, stand_in.server)
     return result
 
 

@@ -18,10 +18,11 @@ from edgert.exporter.device_plan import PLACEMENT_NAME, PlannedPlacement, Planne
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, save_model
-from edgert.protocol import ACT, DATA_KINDS, RUN, STAGE, STOP, Peers, Segment, StageAssignment
+from edgert.protocol import ACT, DATA_KINDS, RUN, STAGE, Peers, Segment, StageAssignment
 from edgert.run_settings import RunSettings
-from edgert.transport import ClientConfig, Envelope, TensorClient, TensorServer, TransportError
+from edgert.transport import ClientConfig, Envelope, TensorClient, TensorServer
 from edgert.weights import load_state
+from tests.hand_driven_worker import end_hand_driven_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,12 +126,7 @@ async def activations_arriving(worker, entry, files, settings):
         await client.send(worker, ACT, activations)
         return await asyncio.wait_for(arrived, 30)
     finally:
-        try:
-            await client.post(worker, STOP, b"test over")
-        except TransportError:
-            pass
-        await client.close()
-        await server.shutdown()
+        await end_hand_driven_run(client, worker, server)
 
 
 def test_codecs_given_on_the_command_line_override_the_plan_on_every_link(cluster, plans, tmp_path):
