@@ -6,20 +6,16 @@ import numpy as np
 import pytest
 
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, save_devices
-from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.planner.replanner import MemberTimes, Replanner, split_stage_cost
 from edgert.manifest import load_manifest
-from edgert.models import build_model, save_model
+from tests.zoo_plans import zoo_plan
 
 MICRO_BATCH = 16
 
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("replan")
-    save_model(build_model("mlp-deep"), folder / "model.onnx")
-    export_plan(folder / "model.onnx", folder / "plan", ExportOptions(stages=2))
-    return folder / "plan"
+    return zoo_plan(tmp_path_factory.mktemp("replan"), 2, "mlp-deep")
 
 
 def unit_truth(replanner: Replanner, slowness: float) -> list[tuple[float, float]]:

@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 
 from edgert.coordinator.localcluster import LocalCluster
-from edgert.exporter.export import ExportOptions, export_plan
 from edgert.groups import StageGroup
 from edgert.manifest import TrainingConfig, load_manifest
-from edgert.models import build_model, save_model
 from edgert.protocol import (
     ACT,
     BATCH,
@@ -31,6 +29,7 @@ from edgert.stage import StageSession
 from edgert.transport import ClientConfig, Envelope, TensorClient
 from edgert.weights import StageState
 from tests.hand_driven_worker import StandIn, end_hand_driven_run
+from tests.zoo_plans import zoo_plan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,10 +39,7 @@ BATCH_SIZE, MICRO_BATCHES = 16, 2  # micro-batches of 8 rows; shares 0.75 / 0.25
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("plan")
-    save_model(build_model("cnn"), folder / "cnn.onnx")
-    export_plan(folder / "cnn.onnx", folder / "three", ExportOptions(stages=3))
-    return folder / "three"
+    return zoo_plan(tmp_path_factory.mktemp("plan"), 3, "cnn")
 
 
 async def member_step(worker: str, plan, training: TrainingConfig, inputs, gradients, others) -> dict:

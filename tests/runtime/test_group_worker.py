@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 
 from edgert.coordinator.localcluster import LocalCluster
-from edgert.exporter.export import ExportOptions, export_plan
 from edgert.groups import StageGroup
 from edgert.manifest import TrainingConfig, load_manifest
-from edgert.models import build_model, save_model
 from edgert.protocol import (
     ACT,
     DATA_KINDS,
@@ -32,6 +30,7 @@ from edgert.run_settings import RunSettings
 from edgert.transport import ClientConfig, Envelope, TensorClient, TransportError
 from edgert.weights import StageState
 from tests.hand_driven_worker import StandIn, end_hand_driven_run
+from tests.zoo_plans import zoo_plan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,10 +39,7 @@ RUN_ID, LR = "group", 0.5
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("plan")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "three", ExportOptions(stages=3))
-    return folder / "three"
+    return zoo_plan(tmp_path_factory.mktemp("plan"), 3, "mlp")
 
 
 async def member_one_step(worker: str, plan) -> dict:

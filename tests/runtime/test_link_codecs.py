@@ -21,8 +21,8 @@ from edgert.models import build_model, save_model
 from edgert.protocol import ACT, DATA_KINDS, RUN, STAGE, Peers, Segment, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.transport import ClientConfig, Envelope, TensorClient, TensorServer
-from edgert.weights import load_state
 from tests.hand_driven_worker import end_hand_driven_run
+from tests.running_coordinator import final_parameters
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,13 +72,6 @@ def links_used(out):
     return [(link["forward"], link["backward"]) for link in events[0]["links"]]
 
 
-def parameters(out):
-    values = {}
-    for k in range(3):
-        values.update(load_state(out / "checkpoints" / "latest" / f"stage{k}.cbor").parameters)
-    return values
-
-
 def test_each_link_uses_the_codec_the_plan_gives_it(cluster, plans, tmp_path):
     planned = run(plans["int8_none"], cluster.urls, tmp_path / "planned", steps=8)
     assert links_used(tmp_path / "planned") == [("int8", "int8"), ("none", "none")]
@@ -87,7 +80,7 @@ def test_each_link_uses_the_codec_the_plan_gives_it(cluster, plans, tmp_path):
     bare = run(plans["bare"], cluster.urls, tmp_path / "bare", steps=8)
     assert links_used(tmp_path / "bare") == [("none", "none")] * 2  # no placement.json: as before
     # what the workers sent was quantised: the same steps, seed and data train other parameters
-    quantised, exact = parameters(tmp_path / "planned"), parameters(tmp_path / "bare")
+    quantised, exact = final_parameters(tmp_path / "planned"), final_parameters(tmp_path / "bare")
     assert any(not np.array_equal(quantised[name], exact[name]) for name in exact)
     assert planned.train_loss == pytest.approx(bare.train_loss, rel=0.05)
 
@@ -135,7 +128,7 @@ def test_codecs_given_on_the_command_line_override_the_plan_on_every_link(cluste
     run(plans["int8_none"], cluster.urls, tmp_path / "none", steps=8, forward_codec="none", backward_codec="none")
     assert links_used(tmp_path / "none") == [("none", "none")] * 2
     run(plans["bare"], cluster.urls, tmp_path / "bare", steps=8)
-    exact, overridden = parameters(tmp_path / "bare"), parameters(tmp_path / "none")
+    exact, overridden = final_parameters(tmp_path / "bare"), final_parameters(tmp_path / "none")
     assert all(np.array_equal(exact[name], overridden[name]) for name in exact)  # nothing was quantised
 
 

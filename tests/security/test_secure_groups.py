@@ -14,7 +14,7 @@ from edgert.coordinator.coordinator import TrainConfig, train
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.exporter.device_plan import PLACEMENT_NAME, PlannedPlacement, PlannedStage
 from edgert.manifest import load_manifest
-from edgert.weights import load_state
+from tests.running_coordinator import final_parameters
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,13 +34,6 @@ def with_group(plan_dir, urls):
     (plan_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(placement)))
 
 
-def trained(out):
-    values = {}
-    for k in range(3):
-        values.update(load_state(out / "checkpoints" / "latest" / f"stage{k}.cbor").parameters)
-    return values
-
-
 def test_a_group_trains_over_tls_as_on_plaintext(cluster, mlp_plan3, tmp_path):
     plan = shutil.copytree(mlp_plan3, tmp_path / "plan")
     names = ["w0", "w1", "w2", "w3"]
@@ -53,5 +46,5 @@ def test_a_group_trains_over_tls_as_on_plaintext(cluster, mlp_plan3, tmp_path):
         with_group(plan, plain.urls)
         train(TrainConfig(plan_dir=plan, workers=tuple(plain.urls), out_dir=tmp_path / "plain", steps=STEPS,
                           listen="coap+tcp://127.0.0.1:0", progress=False))
-    secure, plaintext = trained(tmp_path / "tls"), trained(tmp_path / "plain")
+    secure, plaintext = final_parameters(tmp_path / "tls"), final_parameters(tmp_path / "plain")
     assert all(np.array_equal(secure[name], plaintext[name]) for name in plaintext)
