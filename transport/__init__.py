@@ -13,6 +13,7 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``endpoint.py``     one served path: head checks (method, role, Content-Format), size, envelope, handler
 - ``urls.py``         :func:`parse_url`, :func:`format_url`: the one parser of the URLs edgert takes
 - ``client.py``       :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`
+- ``submission.py``   :class:`Submission`: a request handed over from another thread with no task (the tensor path)
 - ``observe.py``      RFC 7641: :class:`Observation` (client side), :class:`Observable` (server side)
 - ``linkformat.py``   RFC 6690 link format: :class:`Link`, render, parse
 - ``coap_tcp.py``     CoAP over TCP with negotiated large messages (aiocoap transport subclass), ``DEFAULT_PORT``

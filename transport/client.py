@@ -32,6 +32,7 @@ client that lives on a loop in another thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ssl
 import threading
 import urllib.parse
@@ -54,12 +55,14 @@ from aiocoap.transports.udp6 import MessageInterfaceUDP6
 from edgert.transport import coap_tcp, deadline, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, encode_envelope_parts
-from edgert.transport.errors import MalformedMessage, PeerUnreachable, RequestTimeout
+from edgert.transport.errors import RETRIED_CODES, MalformedMessage, PeerUnreachable, RequestTimeout
+from edgert.transport.framing import frame_head
 from edgert.transport.limits import DEFAULT_LIMITS, HEAD_SLACK, Limits
 from edgert.transport.message import Response
 from edgert.transport.observe import Observation
 from edgert.transport.oscore import OscoreRequests
 from edgert.transport.oscore_keys import OscoreKeys
+from edgert.transport.submission import Attempts, Submission
 from edgert.transport.tls import TlsCredentials
 from edgert.transport.urls import format_url, parse_url
 
@@ -105,7 +108,6 @@ class _UdpTuning(TransportTuning):
         self.MAX_RETRANSMIT = max_retransmit
 
 
-_RETRY_CODES = (Code.SERVICE_UNAVAILABLE,)
 
 
 class TensorClient:
@@ -127,6 +129,10 @@ class TensorClient:
         self._oscore: OscoreRequests | None = None
         self._udp_tuning = _UdpTuning(config.udp_ack_timeout, config.udp_max_retransmit)
         self._starting: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._resources: dict[tuple, tuple[dict, tuple[str, int | None], bytes]] = {}  # see _lean_head
+        self.submissions: set[Submission] = set()
+        """Submitted requests in flight (loop thread only); see :meth:`cancel_submissions`."""
 
     async def start(self) -> TensorClient:
         """Create the aiocoap context (also done lazily by the first request)."""
@@ -159,10 +165,21 @@ class TensorClient:
             context.request_interfaces.append(self._oscore)
         context.request_interfaces.append(tokens)
         self._context = context
+        self._loop = loop
+
+    async def cancel_submissions(self) -> None:
+        """Cancel every submitted request still in flight (their futures end cancelled) and wait until
+        none runs: call before the connections close, so none fails after the loop is gone."""
+        submissions, self.submissions = self.submissions, set()
+        tasks = [task for task in (submission.cancel() for submission in submissions) if task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
         """Release every connection; idempotent."""
+        await self.cancel_submissions()
         context, self._context = self._context, None
+        self._loop = None
+        self._resources.clear()
         self._starting = None
         self._udp_remotes.clear()
         if context is not None:
@@ -190,37 +207,107 @@ class TensorClient:
         """
         code = _method_code(method)
         body, content_format = _body(payload, codec, content_format)
-        scheme, hostinfo, base = self._target(url)
-        uri_path = base + tuple(p for p in path.strip("/").split("/") if p) if path else base
+        timeout, retries = self._attempt_limits(timeout, retries)
         uri_query = tuple(f"{k}={v}" for k, v in (query or {}).items())
+        return await self._attempts(code, url, path, body, content_format, uri_query, timeout, retries,
+                                    raise_for_status)
+
+    def submit(self, method: str, url: str, path: str = "", payload: Payload = None, *,
+               codec: CodecChoice = None, content_format: int | None = None, timeout: float | None = None,
+               retries: int | None = None) -> concurrent.futures.Future[Response]:
+        """Send a request from any thread without waiting for it: a future of its response (an error
+        code is raised from it, as by :meth:`request`).
+
+        Over an open pooled TCP connection, a payload that fits the peer's Max-Message-Size goes out
+        without a coroutine or a task (:mod:`~edgert.transport.submission`): the tensor path's send.
+        Anything else takes :meth:`request`'s path; timeouts, retries and errors are the same.
+        """
+        if self._loop is None:
+            raise RuntimeError("start the client on its loop before submitting to it")
+        code = _method_code(method)
+        body, content_format = _body(payload, codec, content_format)
+        timeout, retries = self._attempt_limits(timeout, retries)
+        submission = Submission(self, Attempts(code, url, path, body, content_format, timeout, retries))
+        lean = self._lean_head(code, url, path, content_format, sum(map(len, body)))
+        if lean is None:
+            self._loop.call_soon_threadsafe(submission.go_slow)
+        else:
+            self._loop.call_soon_threadsafe(submission.go_lean, *lean)
+        return submission.future
+
+    def _lean_head(self, code: Code, url: str, path: str, content_format: int | None,
+                   size: int) -> tuple[coap_tcp.LargeTcpConnection, bytes, bytes] | None:
+        """(connection, token, frame head) of a request that can go lean now (see :meth:`submit`), else None."""
+        key = (code, url, path, content_format)
+        resource = self._resources.get(key)
+        if resource is None:
+            scheme, hostinfo, uri_path = self._resource(url, path)
+            if scheme not in ("coap+tcp", TLS_SCHEME) or (scheme == TLS_SCHEME and self._tls_tcp is None):
+                return None
+            options = Message(code=code)
+            options.opt.uri_path = uri_path
+            if content_format is not None:
+                options.opt.content_format = content_format
+            resource = self._resources[key] = (self._pool(scheme)._pool, aiocoap.util.hostportsplit(hostinfo),
+                                               options.opt.encode())
+        pool, address, options = resource
+        connection = pool.get(address)
+        if connection is None or not connection.is_open or size + HEAD_SLACK > connection.peer_max_message_size:
+            return None
+        token = coap_tcp.fast_token()
+        return connection, token, frame_head(code, token, options, size)
+
+    def _attempt_limits(self, timeout: float | None, retries: int | None) -> tuple[float, int]:
         timeout = self.config.timeout if timeout is None else timeout
         retries = self.config.retries if retries is None else retries
         if timeout <= 0 or retries < 0:
             raise ValueError(f"timeout must be > 0 and retries >= 0, got timeout={timeout!r} retries={retries!r}")
+        return timeout, retries
+
+    def _resource(self, url: str, path: str) -> tuple[str, str, tuple[str, ...]]:
+        """(scheme, hostinfo, Uri-Path) of ``url`` + ``path``."""
+        scheme, hostinfo, base = self._target(url)
+        return scheme, hostinfo, base + tuple(p for p in path.strip("/").split("/") if p) if path else base
+
+    async def _attempts(self, code: Code, url: str, path: str, body: Body, content_format: int | None,
+                        uri_query: tuple[str, ...], timeout: float, retries: int, raise_for_status: bool = True,
+                        first: int = 0) -> Response:
+        """Attempts ``first`` to ``retries`` of a request (a submission made attempt 0 itself)."""
+        scheme, hostinfo, uri_path = self._resource(url, path)
         await self.start()
-        delay = self.config.backoff
-        for attempt in range(retries + 1):
+        for attempt in range(first, retries + 1):
+            if attempt:
+                await asyncio.sleep(self.config.backoff * 2 ** (attempt - 1))
             try:
                 async with deadline.timeout(timeout):  # unlike wait_for, no task per attempt
                     response = await self._once(code, scheme, hostinfo, uri_path, uri_query, body, content_format)
             except asyncio.TimeoutError:
-                failure: Exception = RequestTimeout(
-                    f"{method} {url}/{path.strip('/')}: no response within {timeout} s "
-                    f"(attempt {attempt + 1} of {retries + 1})")
+                failure: Exception = self.timed_out(code, url, path, timeout, attempt, retries)
             except coap_error.NetworkError as exc:
-                detail = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
-                failure = PeerUnreachable(f"{method} {url}/{path.strip('/')}: {detail} "
-                                          f"(attempt {attempt + 1} of {retries + 1})")
-                failure.__cause__ = exc
+                failure = self.unreachable(code, url, path, exc, attempt, retries)
             else:
-                if response.code not in _RETRY_CODES or attempt == retries:
+                if response.code not in RETRIED_CODES or attempt == retries:
                     return response.raise_for_status() if raise_for_status else response
-                failure = None  # type: ignore[assignment]
+                continue
             if attempt == retries:
                 raise failure
-            await asyncio.sleep(delay)
-            delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    def timed_out(code: Code, url: str, path: str, timeout: float, attempt: int, retries: int) -> RequestTimeout:
+        """The error of an attempt that got no response in time."""
+        return RequestTimeout(f"{code.name} {url}/{path.strip('/')}: no response within {timeout} s "
+                              f"(attempt {attempt + 1} of {retries + 1})")
+
+    @staticmethod
+    def unreachable(code: Code, url: str, path: str, error: coap_error.NetworkError, attempt: int,
+                    retries: int) -> PeerUnreachable:
+        """The error of an attempt that the network ended (refused, reset, lost)."""
+        detail = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+        failure = PeerUnreachable(f"{code.name} {url}/{path.strip('/')}: {detail} "
+                                  f"(attempt {attempt + 1} of {retries + 1})")
+        failure.__cause__ = error
+        return failure
 
     async def _once(self, code: Code, scheme: str, hostinfo: str, uri_path: tuple[str, ...],
                     uri_query: tuple[str, ...], body: Body, content_format: int | None) -> Response:
@@ -230,11 +317,7 @@ class TensorClient:
             if sum(map(len, body)) + HEAD_SLACK <= connection.peer_max_message_size:
                 message = self._message(code, scheme, hostinfo, uri_path, uri_query, b"", content_format)
                 message.remote = connection
-                response = await connection.request(message, body)
-                if response.opt.block2 is not None and response.opt.block2.more:
-                    response = await BlockwiseRequest._complete_by_requesting_block2(
-                        self._context, message, response, self._context.log)
-                return Response.from_message(response)
+                return await self.rest_of_blocks(message, await connection.request(message, body))
         if scheme == "coap" and self.tls is not None and self._oscore is None:
             raise PeerUnreachable(f"coap://{hostinfo} needs OSCORE keys, and {self.tls.path} holds none "
                                   f"(enrolled before coap:// was protected): enrol again, or use {TLS_SCHEME}://")
@@ -244,6 +327,21 @@ class TensorClient:
         if scheme == "coap":
             self._udp_remotes[hostinfo] = response.remote
         return Response.from_message(response)
+
+    async def rest_of_blocks(self, request: Message, response: Message) -> Response:
+        """``response`` to a fast-path ``request``, with the rest of its Block2 blocks fetched if it has more."""
+        if response.opt.block2 is not None and response.opt.block2.more:
+            response = await BlockwiseRequest._complete_by_requesting_block2(
+                self._context, request, response, self._context.log)
+        return Response.from_message(response)
+
+    def request_message(self, code: Code, url: str, path: str, content_format: int | None,
+                        connection: coap_tcp.LargeTcpConnection) -> Message:
+        """The request a submission sent over ``connection``, as a message (to fetch Block2 blocks)."""
+        scheme, hostinfo, uri_path = self._resource(url, path)
+        message = self._message(code, scheme, hostinfo, uri_path, (), b"", content_format)
+        message.remote = connection
+        return message
 
     async def _connection(self, scheme: str, host: str, port: int) -> coap_tcp.LargeTcpConnection:
         """The pooled connection to a TCP peer; says so when a plaintext one reached a TLS server."""

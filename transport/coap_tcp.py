@@ -27,8 +27,10 @@ cannot bind port 0 and binds with SO_REUSEPORT. This module subclasses it to:
   hook on the server bypass aiocoap's token manager, pipes and per-request tasks,
   which cost about three quarters of a small round trip. Fast-path tokens are 8
   bytes starting with 0xED, disjoint from aiocoap's short counter tokens, so both
-  paths share one connection. Everything else (observations, BERT, UDP) still goes
-  through aiocoap.
+  paths share one connection. :meth:`LargeTcpConnection.send_request` is that path
+  without a future: a frame built elsewhere (another thread, see
+  :mod:`~edgert.transport.submission`) and a callback for its response. Everything
+  else (observations, BERT, UDP) still goes through aiocoap.
 
 aiocoap internals this package relies on (pin aiocoap to ``>=0.4.17,<0.5``; the
 tests in ``tests/transport/test_coap_tcp_framing.py`` and ``test_coap_endpoints.py``
@@ -49,6 +51,7 @@ exercise each of them):
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import socket
 import ssl
@@ -91,6 +94,12 @@ FAST_TOKEN_PREFIX = 0xED
 
 _fast_tokens = itertools.count(1)
 
+
+def fast_token() -> bytes:
+    """A new fast-path token (any thread may ask: ``next`` on a count is atomic)."""
+    return bytes((FAST_TOKEN_PREFIX,)) + next(_fast_tokens).to_bytes(7, "big")
+
+
 FastServer = Callable[["LargeTcpConnection", Message], bool]
 """``hook(connection, request) -> handled``: a server's fast path; False hands the request to aiocoap."""
 
@@ -99,6 +108,9 @@ Screen = Callable[["LargeTcpConnection", Message], "Message | None"]
 
 Trust = Callable[[PeerIdentity], bool]
 """``trust(identity) -> bool``: whether a TLS peer's verified identity counts as a cluster member."""
+
+Settle = Callable[["Message | Exception"], None]
+"""``settle(outcome)``: what becomes of a fast-path request: its response, or the network error that ended it."""
 
 
 class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
@@ -118,7 +130,7 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self._screen = screen
         self._guard = guard
         self._trust = trust
-        self._pending: dict[bytes, asyncio.Future] = {}
+        self._pending: dict[bytes, Settle] = {}
         self.reader = FrameReader(self)
         self.csm_received: asyncio.Future = loop.create_future()
         self.peer: PeerIdentity | None = None  # the verified certificate's identity (TLS only)
@@ -233,15 +245,27 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
 
         ``parts``, if given, is the payload in pieces (see :meth:`_send_message`).
         """
-        token = bytes((FAST_TOKEN_PREFIX,)) + next(_fast_tokens).to_bytes(7, "big")
-        message.token = token
+        token = message.token = fast_token()
         future = self.loop.create_future()
-        self._pending[token] = future
+        self._pending[token] = functools.partial(_settle_future, future)
         try:
             self._send_message(message, parts)
             return await future
         finally:
             self._pending.pop(token, None)
+
+    def send_request(self, token: bytes, head: bytes, parts: Sequence[Buffer], settle: Settle) -> None:
+        """Fast path without a future (loop thread only): write a request frame whose ``head`` (with
+        ``token``, from :func:`fast_token`) was built elsewhere; ``settle`` gets its response or the
+        connection's loss. Raises :class:`aiocoap.error.NetworkError` if the connection is closed."""
+        if self._transport is None or self._transport.is_closing():
+            raise coap_error.NetworkError(f"connection to {self.hostinfo} is closed")
+        self._pending[token] = settle
+        self._write_frame(head, parts, sum(map(len, parts)))
+
+    def forget_request(self, token: bytes) -> None:
+        """Stop waiting for the response to ``token`` (its sender gave up)."""
+        self._pending.pop(token, None)
 
     # -- sending ---------------------------------------------------------
 
@@ -256,11 +280,14 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         if parts is None:
             parts = (msg.payload,) if msg.payload else ()
         size = sum(map(len, parts))
+        self._write_frame(serialize_head(msg, size), parts, size)
+
+    def _write_frame(self, head: bytes, parts: Sequence[Buffer], size: int) -> None:
         write = self._transport.write
         if size < _SPLIT_WRITE:
-            write(b"".join((serialize_head(msg, size), *parts)))
+            write(b"".join((head, *parts)))
             return
-        small: list[Buffer] = [serialize_head(msg, size)]
+        small: list[Buffer] = [head]
         for part in parts:
             if len(part) < _SPLIT_WRITE:
                 small.append(part)
@@ -312,10 +339,9 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         if self._ctx is None:
             return False
         if msg.code.is_response():
-            future = self._pending.pop(msg.token, None)
-            if future is not None:
-                if not future.done():
-                    future.set_result(msg)
+            settle = self._pending.pop(msg.token, None)
+            if settle is not None:
+                settle(msg)
                 return True
         elif self._fast_server is not None and self._fast_server(self, msg):
             return True
@@ -327,9 +353,8 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(coap_error.NetworkError(f"connection to {self.hostinfo} lost: {exc}"))
+        for settle in pending.values():
+            settle(coap_error.NetworkError(f"connection to {self.hostinfo} lost: {exc}"))
         if not self.csm_received.done():
             self.csm_received.set_exception(coap_error.NetworkError(f"connection lost before CSM: {exc}"))
             self.csm_received.exception()  # mark retrieved
@@ -338,6 +363,15 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
             self._guard.forget(self)
         if self._ctx is not None:
             super().connection_lost(exc)
+
+
+def _settle_future(future: asyncio.Future, outcome: Message | Exception) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 class LargeTCPServer(TCPServer):

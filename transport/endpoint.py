@@ -4,10 +4,15 @@ An :class:`Endpoint` belongs to a :class:`~edgert.transport.server.TensorServer`
 (4.05), role (4.03) and Content-Format (4.15) from the head (:meth:`Endpoint.check_head`,
 also used before a TCP payload is received), then size (4.13) and envelope (4.00), then the
 handler, whose exceptions become 5.00. Block1 uploads are reassembled linearly and capped.
+
+A handler is a coroutine function or a plain function. A plain one is answered without a task: over
+TCP its response is written from the protocol callback that parsed the request (the tensor path's
+receive, :meth:`Endpoint.start`), so it must not block.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgert.transport.server")
 
 HandlerResult = Response | Envelope | bytes | bytearray | str | None
-Handler = Callable[[Request], Awaitable[HandlerResult]]
+Handler = Callable[[Request], Awaitable[HandlerResult] | HandlerResult]
 
 
 class CappedBlock1Spool(Block1Spool):
@@ -94,17 +99,42 @@ class Endpoint(resource.Resource):
 
     async def render(self, message: Message) -> Message:
         """Answer one (reassembled) request; never raises."""
+        answer = self.start(message)
+        return answer if isinstance(answer, Message) else await answer
+
+    def start(self, message: Message) -> Message | Awaitable[Message]:
+        """Check ``message`` and call its handler: the response, or (the handler is a coroutine) an
+        awaitable of it. Never raises: a refusal or a handler's exception is the response."""
         method = Code(message.code)
         try:
             request = self._request(message, method)
-            result = await self.handlers[request.method](request)
+            result = self.handlers[request.method](request)
+        except Exception as error:  # noqa: BLE001  (see _failure)
+            return self._failure(message, method, error)
+        if inspect.isawaitable(result):
+            return self._finish(message, method, result)
+        return self._respond(message, method, result)
+
+    async def _finish(self, message: Message, method: Code, result: Awaitable[HandlerResult]) -> Message:
+        try:
+            result = await result
+        except Exception as error:  # noqa: BLE001  (see _failure)
+            return self._failure(message, method, error)
+        return self._respond(message, method, result)
+
+    def _respond(self, message: Message, method: Code, result: HandlerResult) -> Message:
+        try:
             return self._response(result, method)
-        except ResponseError as error:
+        except Exception as error:  # noqa: BLE001  (see _failure)
+            return self._failure(message, method, error)
+
+    def _failure(self, message: Message, method: Code, error: Exception) -> Message:
+        """A refusal's own code, or 5.00 for anything else: a handler bug must not kill the server."""
+        if isinstance(error, ResponseError):
             log.info("%s /%s from %s: %s", method.name, self.path, peer_name(message), error)
             return error.to_message()
-        except Exception as error:  # noqa: BLE001  (a handler bug must not kill the server)
-            log.exception("handler for %s /%s failed", method.name, self.path)
-            return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
+        log.error("handler for %s /%s failed", method.name, self.path, exc_info=error)
+        return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
 
     def check_head(self, message: Message, method: Code) -> PeerIdentity | None:
         """Method (4.05), role (4.03) and Content-Format (4.15) of a request; returns the peer's identity.

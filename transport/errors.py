@@ -122,6 +122,10 @@ class ServiceUnavailable(ResponseError):
     code = Code.SERVICE_UNAVAILABLE
 
 
+RETRIED_CODES = (Code.SERVICE_UNAVAILABLE,)
+"""Response codes a client retries like a timeout."""
+
+
 class InvalidUrl(TransportError, ValueError):
     """A URL that is not ``coap+tcp://``, ``coaps+tcp://`` or ``coap://host:port`` (see urls.py)."""
 

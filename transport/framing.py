@@ -76,13 +76,15 @@ def serialize_head(msg: Message, payload_len: int | None = None) -> bytes:
 
     ``payload_len`` overrides ``len(msg.payload)`` for a payload sent as separate parts.
     """
-    options = msg.opt.encode()
-    if payload_len is None:
-        payload_len = len(msg.payload)
+    return frame_head(msg.code, msg.token, msg.opt.encode(), len(msg.payload) if payload_len is None else payload_len)
+
+
+def frame_head(code: int, token: bytes, options: bytes, payload_len: int) -> bytes:
+    """The RFC 8323 frame head of a message whose options are already encoded (reused for every request
+    to one resource)."""
     body_len = len(options) + (1 + payload_len if payload_len else 0)
     nibble, ext = _encode_length(body_len)
-    token = msg.token
     if len(token) > 8:
         raise ValueError(f"token of {len(token)} bytes is longer than 8")
     marker = b"\xff" if payload_len else b""
-    return b"".join((bytes(((nibble << 4) | len(token),)), ext, bytes((msg.code,)), token, options, marker))
+    return b"".join((bytes(((nibble << 4) | len(token),)), ext, bytes((code,)), token, options, marker))

@@ -3,7 +3,8 @@
 A :class:`TensorServer` binds one or more URLs (``coap+tcp://host:port``,
 ``coap://host:port``; port 0 picks a free port, see :attr:`TensorServer.urls`),
 serves ``/.well-known/core`` (RFC 6690, with ``rt=`` types) and dispatches each
-request to an async handler registered per path and method::
+request to a handler registered per path and method (a coroutine function, or a plain
+function answered without a task: see :mod:`~edgert.transport.endpoint`)::
 
     server = TensorServer("coap+tcp://127.0.0.1:0", "coap://127.0.0.1:0")
     server.add_resource("stage/1/activations", post=on_activations,
@@ -30,7 +31,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
 import aiocoap
@@ -252,40 +253,50 @@ class TensorServer:
         return refusal.to_message()
 
     def _fast_dispatch(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> bool:
-        """Serve a plain TCP request without aiocoap's per-request machinery; False = not eligible."""
+        """Serve a plain TCP request without aiocoap's per-request machinery; False = not eligible.
+
+        A refusal, and the response of a handler that is a plain function, are written from this
+        callback; a coroutine handler (or a response needing Block2) finishes in a task.
+        """
         options = message.opt
         if (options.observe is not None or options.block1 is not None or options.block2 is not None
                 or options.no_response is not None or options.uri_path_abbrev is not None
                 or self._context is None):
             return False
         endpoint = self._endpoints.get(tuple(options.uri_path))
-        task = asyncio.get_running_loop().create_task(self._serve_fast(connection, message, endpoint))
+        refusal = self.refusal(message)
+        if refusal is not None:
+            log.info("refused %s from %s: %s", "/".join(options.uri_path), peer_name(message), refusal)
+            answer: Message | Awaitable[Message] = refusal.to_message()
+        elif endpoint is None:
+            answer = _not_found(options.uri_path).to_message()
+        else:
+            answer = endpoint.start(message)
+        if isinstance(answer, Message) and not self._needs_blocks(connection, endpoint, answer):
+            _answer(connection, message, answer)
+            return True
+        task = asyncio.get_running_loop().create_task(self._finish(connection, message, endpoint, answer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
 
-    async def _serve_fast(self, connection: coap_tcp.LargeTcpConnection, message: Message,
-                          endpoint: Endpoint | None) -> None:
-        refusal = self.refusal(message)
-        if refusal is not None:
-            log.info("refused %s from %s: %s", "/".join(message.opt.uri_path), peer_name(message), refusal)
-            response = refusal.to_message()
-        elif endpoint is None:
-            response = _not_found(message.opt.uri_path).to_message()
-        else:
-            response = await endpoint.render(message)
-        if endpoint is not None and response.code.is_successful() and not connection.fits(response):
-            ready = response  # larger than the peer takes in one message: serve Block2 like aiocoap does
+    @staticmethod
+    def _needs_blocks(connection: coap_tcp.LargeTcpConnection, endpoint: Endpoint | None,
+                      response: Message) -> bool:
+        """Whether a success is larger than the peer takes in one message (served as Block2, like aiocoap)."""
+        return endpoint is not None and response.code.is_successful() and not connection.fits(response)
+
+    async def _finish(self, connection: coap_tcp.LargeTcpConnection, message: Message, endpoint: Endpoint | None,
+                      answer: Message | Awaitable[Message]) -> None:
+        response = answer if isinstance(answer, Message) else await answer
+        if self._needs_blocks(connection, endpoint, response):
+            ready = response
 
             async def rendered() -> Message:
                 return ready
 
             response = await endpoint._block2.extract_or_insert(message, rendered)
-        response.token = message.token
-        try:
-            connection.send_signal(response)  # a diagnostic too large for the peer is shortened to fit
-        except aiocoap.error.NetworkError:
-            log.info("peer %s left before its response", peer_name(message))
+        _answer(connection, message, response)
 
     async def __aenter__(self) -> TensorServer:
         return await self.start()
@@ -357,6 +368,15 @@ def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
         return {method: tuple(names) for method, names in roles.items()}
     names = tuple(roles)
     return {method: names for method in handlers}
+
+
+def _answer(connection: coap_tcp.LargeTcpConnection, request: Message, response: Message) -> None:
+    """Send ``response`` to ``request`` (a diagnostic too large for the peer is shortened to fit)."""
+    response.token = request.token
+    try:
+        connection.send_signal(response)
+    except aiocoap.error.NetworkError:
+        log.info("peer %s left before its response", peer_name(request))
 
 
 def _not_found(path: Iterable[str]) -> NotFound:

@@ -40,14 +40,14 @@ class _Side:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    async def _on_act(self, request) -> None:
+    def _on_act(self, request) -> None:
         envelope = request.envelope
         self.inbox.put((ACT, envelope.step, 0), dict(envelope.tensors))
 
     def start(self) -> str:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
-        self.outbox.start(self.loop)
+        asyncio.run_coroutine_threadsafe(self.client.start(), self.loop).result(10)
         return self.server.urls[0]
 
     def send(self, url: str, step: int, value: np.ndarray) -> None:

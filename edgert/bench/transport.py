@@ -167,10 +167,10 @@ async def _serve(conn, tls: TlsCredentials) -> None:
     raw_tls = await asyncio.get_running_loop().create_server(_RawSink, "127.0.0.1", 0, ssl=tls.server_context)
     chunks: dict[str, list[Any]] = {}
 
-    async def sink(request: Request) -> None:
+    def sink(request: Request) -> None:  # a plain handler, as a worker's /act and /grad are
         return None
 
-    async def chunk(request: Request) -> Response:
+    def chunk(request: Request) -> Response:
         transfer, offset, total = request.query["t"], int(request.query["o"]), int(request.query["n"])
         entry = chunks.setdefault(transfer, [bytearray(total), 0])
         entry[0][offset:offset + len(request.payload)] = request.payload

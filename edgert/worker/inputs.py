@@ -53,7 +53,7 @@ class StageInputs:
         server.add_resource(GROUP_GRAD, post=self._on_group_gradients, rt="edgert.group_gradients",
                             kinds=(GROUP_GRAD_KIND,))
 
-    async def _on_batch(self, request: Request) -> None:
+    def _on_batch(self, request: Request) -> None:
         """A whole step's inputs (first stage) and/or labels (last stage), split into micro-batches here."""
         envelope, current = request.envelope, self._current
         current.check_run(envelope)
@@ -85,7 +85,7 @@ class StageInputs:
             raise ServiceUnavailable(str(error)) from None
 
     def _data_handler(self, path: str):
-        async def handle(request: Request) -> None:
+        def handle(request: Request) -> None:
             """Tensors from a neighbour on ``path`` (/act or /grad), checked before the inbox sees them."""
             envelope, current = request.envelope, self._current
             current.check_run(envelope)
@@ -111,7 +111,7 @@ class StageInputs:
                 raise ServiceUnavailable(str(error)) from None
         return handle
 
-    async def _on_group_gradients(self, request: Request) -> None:
+    def _on_group_gradients(self, request: Request) -> None:
         """Another member's gradients (and running statistics) of a step, for this stage's group."""
         envelope, current = request.envelope, self._current
         current.check_run(envelope)

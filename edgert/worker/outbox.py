@@ -1,7 +1,8 @@
 """A worker's sends in flight: handed from the compute thread to the transport loop, not waited for.
 
 The compute thread submits each send (activations, gradients, step reports, state copies)
-and goes on; at most :data:`MAX_IN_FLIGHT` are outstanding. Sends belong to a *generation*,
+and goes on (:meth:`TensorClient.submit`: the frame is built in the compute thread and written
+by one loop callback, with no task); at most :data:`MAX_IN_FLIGHT` are outstanding. Sends belong to a *generation*,
 one per stage assignment: a send of the current generation that had to arrive and failed
 is raised in the compute thread at its next submit (the stage has lost a peer). Sends of
 earlier generations (before a recovery or a re-plan) and those that need not arrive
@@ -11,13 +12,10 @@ fails after the loop is gone.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
-import functools
 import logging
 import threading
-from collections.abc import Awaitable, Callable
 
 from edgert.transport import Envelope, TensorClient
 
@@ -31,16 +29,10 @@ class Outbox:
     def __init__(self, client: TensorClient, name: str):
         self._client = client
         self._name = name
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: collections.deque[tuple[concurrent.futures.Future, int, bool]] = collections.deque()
         self._lock = threading.Lock()
-        self._tasks: set[asyncio.Task] = set()  # the transport loop's side of the sends in flight
         self._generation = 0
         self.closed = False  # shutting down: nothing more is sent
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Send on ``loop`` (the worker's transport loop) from now on."""
-        self._loop = loop
 
     def new_generation(self) -> None:
         """The sends so far are history (a new stage, a failed one): their failures raise no more."""
@@ -61,10 +53,7 @@ class Outbox:
 
     async def wait_closed(self) -> None:
         """Wait until every cancelled send has ended (on the transport loop)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._client.cancel_submissions()
 
     def submit(self, url: str, path: str, envelope: Envelope, codec, method: str = "POST",
                must_arrive: bool = True) -> None:
@@ -86,16 +75,6 @@ class Outbox:
                 if fatal and generation == self._generation:
                     raise  # a failed send of this assignment fails the stage, in the compute thread
                 log.info("%s: a send failed: %s", self._name, error)
-        send = functools.partial(self._client.request, method, url, path, envelope, codec=codec)
-        future = asyncio.run_coroutine_threadsafe(self._tracked(send), self._loop)
+        future = self._client.submit(method, url, path, envelope, codec=codec)
         with self._lock:
             self._pending.append((future, self._generation, must_arrive))
-
-    async def _tracked(self, send: Callable[[], Awaitable[object]]) -> object:
-        """Run ``send`` as a task :meth:`wait_closed` can find."""
-        task = asyncio.current_task()
-        self._tasks.add(task)
-        try:
-            return await send()
-        finally:
-            self._tasks.discard(task)

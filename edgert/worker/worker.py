@@ -129,7 +129,6 @@ class Worker:
 
     async def start(self) -> str:
         """Bind the server and start the compute thread; returns the URL it listens on."""
-        self.outbox.start(asyncio.get_running_loop())
         await self.server.start()
         await self.client.start()
         self.compute.start()

@@ -1,0 +1,196 @@
+"""The tensor path: requests submitted from another thread without a task, answered by plain handlers
+from the protocol callback; every way a request can fail ends its future as ``request`` would."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+from aiocoap.numbers.codes import Code
+
+from edgert.transport import (
+    BadRequest,
+    ClientConfig,
+    Envelope,
+    Limits,
+    NotFound,
+    PeerUnreachable,
+    RequestTimeout,
+    ServiceUnavailable,
+    TensorClient,
+    TensorServer,
+)
+from edgert.transport.limits import MiB
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Peers:
+    """A server with plain and coroutine handlers, and a client, each on its own loop thread."""
+
+    def __init__(self, config: ClientConfig = ClientConfig(timeout=5, retries=2, backoff=0.01),
+                 client_limits: Limits = Limits()) -> None:
+        self.server_loop, self.client_loop = _loop_thread(), _loop_thread()
+        self.seen: list[tuple[int, bool]] = []  # (microbatch, answered inside a task)
+        self.attempts: dict[str, int] = {}
+        self.server = TensorServer("coap+tcp://127.0.0.1:0")
+        self.server.add_resource("act", post=self._act, rt="edgert.test", kinds=("activations",))
+        self.server.add_resource("echo", post=self._echo, rt="edgert.test")
+        self.server.add_resource("busy", post=self._busy, rt="edgert.test", envelope=False)
+        self.server.add_resource("hang", post=self._hang, rt="edgert.test", envelope=False)
+        self.server.add_resource("broken", post=self._broken, rt="edgert.test", envelope=False)
+        _run(self.server.start(), self.server_loop)
+        self.url = self.server.url()
+        self.client = TensorClient(config, client_limits)
+        _run(self.client.start(), self.client_loop)
+        self.slow_paths = 0
+        attempts = self.client._attempts
+
+        async def counted(*args, **kwargs):  # a spy: which submissions left the lean path
+            self.slow_paths += 1
+            return await attempts(*args, **kwargs)
+
+        self.client._attempts = counted
+
+    def _act(self, request):
+        self.seen.append((request.envelope.microbatch, asyncio.current_task() is not None))
+
+    def _echo(self, request):
+        return request.envelope
+
+    def _busy(self, request):
+        key, fail = bytes(request.payload).decode().split(":")  # which request, and how often it is refused
+        self.attempts[key] = self.attempts.get(key, 0) + 1
+        if self.attempts[key] <= int(fail):
+            raise ServiceUnavailable("inbox full, try again")
+        return b"taken"
+
+    async def _hang(self, request):
+        self.attempts["hang"] = self.attempts.get("hang", 0) + 1
+        await asyncio.sleep(30)
+
+    def _broken(self, request):
+        raise RuntimeError("plain handler exploded")
+
+    def submit(self, path, payload=None, **kwargs):
+        """Submit from this (test) thread, as a worker's compute thread does."""
+        return self.client.submit("POST", self.url, path, payload, **kwargs)
+
+    def close(self):
+        _run(self.client.close(), self.client_loop)
+        _run(self.server.shutdown(), self.server_loop)
+        for loop in (self.client_loop, self.server_loop):
+            loop.call_soon_threadsafe(loop.stop)
+
+
+def _loop_thread() -> asyncio.AbstractEventLoop:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return loop
+
+
+def _run(coroutine, loop):
+    return asyncio.run_coroutine_threadsafe(coroutine, loop).result(30)
+
+
+@pytest.fixture
+def peers():
+    pair = Peers()
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
+def _activations(index: int, rows: int = 4) -> Envelope:
+    return Envelope("activations", step=1, microbatch=index, tensors={"x": np.full((rows, 8), index, np.float32)})
+
+
+def test_submissions_over_an_open_connection_take_no_task_on_either_side(peers):
+    first = peers.submit("act", _activations(0))
+    assert first.result(10).code == Code.CHANGED
+    assert peers.slow_paths == 1  # no connection yet: the first goes the whole way
+    futures = [peers.submit("act", _activations(i)) for i in range(1, 50)]
+    assert all(future.result(10).code == Code.CHANGED for future in futures)
+    assert peers.slow_paths == 1
+    assert sorted(index for index, _ in peers.seen) == list(range(50))
+    assert not any(in_task for _, in_task in peers.seen)  # plain handlers answer from the protocol callback
+    assert not peers.client.submissions and not peers.server._tasks
+
+
+def test_a_submitted_response_carries_the_handlers_answer_and_its_error_codes(peers):
+    peers.submit("act", _activations(0)).result(10)
+    back = peers.submit("echo", _activations(7, rows=3)).result(10).envelope()
+    assert back.microbatch == 7 and np.array_equal(back.tensors["x"], np.full((3, 8), 7, np.float32))
+    with pytest.raises(BadRequest, match="takes envelope kind.s. activations, got 'gradients'"):
+        peers.submit("act", Envelope("gradients", tensors={"g": np.zeros(2, np.float32)})).result(10)
+    with pytest.raises(NotFound, match="no resource at /nowhere"):
+        peers.submit("nowhere", b"x").result(10)
+    broken = peers.client.submit("POST", peers.url, "broken", b"x", retries=0)
+    with pytest.raises(Exception, match="plain handler exploded") as failure:
+        broken.result(10)
+    assert failure.value.code == Code.INTERNAL_SERVER_ERROR
+    assert peers.slow_paths == 1 and peers.submit("act", _activations(1)).result(10).ok  # the server goes on
+
+
+def test_a_503_is_retried_with_backoff_then_raised(peers):
+    peers.submit("act", _activations(0)).result(10)
+    assert peers.submit("busy", b"a:2").result(10).payload == b"taken" and peers.attempts["a"] == 3
+    refused = peers.submit("busy", b"b:9", retries=1)
+    with pytest.raises(ServiceUnavailable, match="inbox full, try again"):
+        refused.result(10)
+    assert peers.attempts["b"] == 2
+
+
+def test_no_response_in_time_is_retried_then_raised(peers):
+    peers.submit("act", _activations(0)).result(10)
+    future = peers.client.submit("POST", peers.url, "hang", b"x", timeout=0.2, retries=1)
+    with pytest.raises(RequestTimeout, match=r"POST .*/hang: no response within 0.2 s \(attempt 2 of 2\)"):
+        future.result(10)
+    assert peers.attempts["hang"] == 2
+
+
+def test_a_lost_connection_fails_the_submission_without_hanging(peers):
+    peers.submit("act", _activations(0)).result(10)
+    future = peers.client.submit("POST", peers.url, "hang", b"x", retries=0)
+    while not peers.attempts.get("hang"):
+        threading.Event().wait(0.01)
+    _run(peers.server.shutdown(), peers.server_loop)
+    with pytest.raises(PeerUnreachable, match=r"POST .*/hang: .*lost.* \(attempt 1 of 1\)"):
+        future.result(10)
+    later = peers.client.submit("POST", peers.url, "act", _activations(1), retries=1)
+    with pytest.raises(PeerUnreachable, match=r"\(attempt 2 of 2\)"):
+        later.result(10)
+    assert not peers.client.submissions
+
+
+def test_cancelled_submissions_stop_waiting_and_retrying(peers):
+    peers.submit("act", _activations(0)).result(10)
+    hanging = peers.client.submit("POST", peers.url, "hang", b"x", timeout=0.2, retries=5)
+    while peers.attempts.get("hang", 0) < 2:  # the lean attempt timed out; the retries run in a task
+        threading.Event().wait(0.01)
+    assert hanging.cancel()
+    threading.Event().wait(0.5)
+    assert peers.attempts["hang"] == 2  # cancelling stopped the attempts
+    waiting = peers.client.submit("POST", peers.url, "hang", b"x")
+    while peers.attempts["hang"] < 3:
+        threading.Event().wait(0.01)
+    _run(peers.client.cancel_submissions(), peers.client_loop)
+    assert waiting.cancelled() and not peers.client.submissions
+
+
+def test_a_large_response_to_a_submission_is_completed_with_block2():
+    pair = Peers(client_limits=Limits(tcp_message_bytes=1 * MiB))
+    try:
+        pair.submit("act", _activations(0)).result(10)
+        x = np.arange(3 * MiB // 4, dtype=np.float32)
+        back = pair.submit("echo", Envelope("activations", tensors={"x": x})).result(20).envelope()
+        assert np.array_equal(back.tensors["x"], x)
+        assert pair.slow_paths == 1  # the request went lean; only its response came in blocks
+    finally:
+        pair.close()
+
+
+def test_submitting_before_the_client_started_is_refused():
+    with pytest.raises(RuntimeError, match="start the client on its loop before submitting"):
+        TensorClient().submit("POST", "coap+tcp://127.0.0.1:9", "act", b"x")

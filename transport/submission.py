@@ -1,0 +1,173 @@
+"""Requests handed over from another thread with no task: the tensor path's send.
+
+:meth:`TensorClient.submit <edgert.transport.client.TensorClient.submit>` builds a request's frame in
+the calling thread (a worker's compute thread) and hands it to the transport loop in one callback,
+which writes it on the pooled connection; the response settles a ``concurrent.futures.Future``
+straight from the protocol callback that parsed it. No coroutine, task or timeout context per
+request: a timer bounds the wait. Only that first attempt is lean. A 5.03, a lost connection, a
+timeout or a first contact go on as :meth:`TensorClient.request`'s attempts, with the same timeouts,
+retries and errors; a response with more Block2 blocks is completed the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiocoap import Message
+from aiocoap import error as coap_error
+from aiocoap.numbers.codes import Code
+
+from edgert.transport.errors import RETRIED_CODES, ResponseError
+from edgert.transport.framing import Buffer
+from edgert.transport.message import Response
+
+if TYPE_CHECKING:
+    from edgert.transport.client import TensorClient
+    from edgert.transport.coap_tcp import LargeTcpConnection
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """What every attempt of one request sends, and how long and how often it may try."""
+
+    code: Code
+    url: str
+    path: str
+    body: tuple[Buffer, ...]
+    content_format: int | None
+    timeout: float
+    retries: int
+
+
+class Submission:
+    """One submitted request: its future, and on the loop its lean attempt or the task that goes on."""
+
+    __slots__ = ("_client", "_attempts", "future", "_connection", "_token", "_timer", "_task")
+
+    def __init__(self, client: TensorClient, attempts: Attempts) -> None:
+        self._client = client
+        self._attempts = attempts
+        self.future: concurrent.futures.Future[Response] = concurrent.futures.Future()
+        self._connection: LargeTcpConnection | None = None
+        self._token = b""
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task | None = None
+
+    # -- on the loop ---------------------------------------------------------------------
+
+    def go_lean(self, connection: LargeTcpConnection, token: bytes, head: bytes) -> None:
+        """Write the frame on ``connection`` and wait for its response with a timer (attempt 0)."""
+        if self.future.cancelled():
+            return
+        try:
+            connection.send_request(token, head, self._attempts.body, self._settle)
+        except coap_error.NetworkError as error:  # closed since the frame was built
+            self._next_attempt(self._client.unreachable(*self._names, error, 0, self._attempts.retries))
+            return
+        self._connection, self._token = connection, token
+        self._timer = connection.loop.call_later(self._attempts.timeout, self._timed_out)
+        self._client.submissions.add(self)
+
+    def go_slow(self) -> None:
+        """No open connection that takes the frame whole: every attempt as :meth:`TensorClient.request`'s."""
+        if not self.future.cancelled():
+            self._go_on(0)
+
+    def cancel(self) -> asyncio.Task | None:
+        """Stop: no response is waited for, no attempt follows; returns the task still to await, if any."""
+        self._stop_waiting()
+        self.future.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        return self._task
+
+    def _settle(self, outcome: Message | Exception) -> None:
+        self._stop_waiting()
+        if isinstance(outcome, Exception):
+            self._next_attempt(self._client.unreachable(*self._names, outcome, 0, self._attempts.retries))
+        elif outcome.code in RETRIED_CODES and self._attempts.retries:
+            self._next_attempt(None)
+        elif outcome.opt.block2 is not None and outcome.opt.block2.more:
+            request = self._client.request_message(self._attempts.code, self._attempts.url, self._attempts.path,
+                                                   self._attempts.content_format, self._connection)
+            self._run(self._client.rest_of_blocks(request, outcome), checked=False)
+        else:
+            self._resolve(Response.from_message(outcome))
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        self._stop_waiting()
+        self._next_attempt(self._client.timed_out(*self._names, self._attempts.timeout, 0, self._attempts.retries))
+
+    def _stop_waiting(self) -> None:
+        self._client.submissions.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._connection is not None:
+            self._connection.forget_request(self._token)
+
+    def _next_attempt(self, failure: Exception | None) -> None:
+        """Attempt 0 failed with ``failure`` (None: 5.03): the next, or ``failure`` if none is left."""
+        if not self._attempts.retries:
+            _set(self.future, exception=failure)
+        elif not self.future.cancelled():
+            self._go_on(1)
+
+    def _go_on(self, first: int) -> None:
+        a = self._attempts
+        self._run(self._client._attempts(a.code, a.url, a.path, a.body, a.content_format, (), a.timeout,
+                                         a.retries, first=first), checked=True)
+
+    def _run(self, attempts: Coroutine[Any, Any, Response], checked: bool) -> None:
+        """Settle the future from a task running ``attempts`` (``checked``: it raises error codes itself)."""
+        loop = asyncio.get_running_loop()
+        task = self._task = loop.create_task(attempts)
+        self._client.submissions.add(self)
+        self.future.add_done_callback(lambda future: future.cancelled() and _cancel_soon(loop, task))
+
+        def done(finished: asyncio.Task) -> None:
+            self._client.submissions.discard(self)
+            if finished.cancelled():
+                self.future.cancel()
+            elif finished.exception() is not None:
+                _set(self.future, exception=finished.exception())
+            elif checked:
+                _set(self.future, result=finished.result())
+            else:
+                self._resolve(finished.result())
+
+        task.add_done_callback(done)
+
+    def _resolve(self, response: Response) -> None:
+        try:
+            _set(self.future, result=response.raise_for_status())
+        except ResponseError as error:
+            _set(self.future, exception=error)
+
+    @property
+    def _names(self) -> tuple[Code, str, str]:
+        return self._attempts.code, self._attempts.url, self._attempts.path
+
+
+def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+    """The owner cancelled the future (from its own thread): the attempts stop too."""
+    try:
+        loop.call_soon_threadsafe(task.cancel)
+    except RuntimeError:  # the loop is closed: nothing runs any more
+        pass
+
+
+def _set(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Settle ``future`` unless its owner cancelled it meanwhile (from another thread)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
