@@ -3,9 +3,9 @@
 The coordinator builds a :class:`RunSettings` from ``edgert train``'s options (whose defaults are
 these), every ``PUT /stage`` and ``POST /profile`` carries it as ``meta.settings``
 (:class:`edgert.protocol.StageAssignment`, docs/PROTOCOL.md), and the worker reads its stage's
-codecs, threads, timeout, memory mode and copy intervals from it. The codecs here are the run-wide
-ones: a link the plan gives its own codec says so in the assignment's ``peers`` (``next_codec``,
-``previous_codec``), which take precedence.
+codecs, threads (and whether its forwards run beside its backwards), timeout, memory mode and copy
+intervals from it. The codecs here are the run-wide ones: a link the plan gives its own codec says
+so in the assignment's ``peers`` (``next_codec``, ``previous_codec``), which take precedence.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class RunSettings:
     backward_codec: str = field(default="none", metadata=CODEC)  # gradients sent on a link with no codec of its own
     forward_threads: int = field(default=1, metadata=at_least(1))  # ORT intra-op threads, forward session
     backward_threads: int = field(default=1, metadata=at_least(1))  # ... and backward session
+    side_by_side: bool = False  # a stage's forwards on a thread of their own, beside its backwards
     wait_timeout: float = field(default=120.0, metadata=above(0))  # seconds a stage waits for a tensor
     memory_mode: str = field(default="recompute", metadata=one_of(MEMORY_MODES))
     replicate_every: int = field(default=20, metadata=at_least(0))  # steps between copies to the next workers (0: off)

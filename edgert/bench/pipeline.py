@@ -22,7 +22,12 @@
 5. ``idle_hop`` (first, on the idle machine; edgert/bench/hop.py): a compute thread's 8 KiB
    activation to a peer process's waiting compute thread over the worker's own path, median and
    10th percentile, beside half a raw TCP round trip of the same bytes (``hop_vs_raw_tcp``).
-6. ``stage_call`` (edgert/bench/calls.py): the runtime's forward and backward of the pipeline's
+6. ``edgert_4stage_1f1b_side_by_side``: each 4-stage run again, every stage's forwards on a
+   thread of their own beside its backwards (``edgert train --side-by-side``), in the same
+   cluster right after: ``side_by_side_vs_one_after_the_other`` (samples/s over samples/s). At
+   slowdown 1 it gains only where each worker has a core for each lane; emulated devices sleep
+   without a core, so the emulated ratio is that of devices with two cores each.
+7. ``stage_call`` (edgert/bench/calls.py): the runtime's forward and backward of the pipeline's
    stage 1 on one micro-batch against bare ``InferenceSession.run`` (``call_vs_bare_session``),
    and a 1-row backward: the fixed cost per call (``fixed_share_of_backward``).
 
@@ -80,6 +85,7 @@ class BenchConfig:
                                type=Path)
     peer: bool = option(True, "Also train the 4-stage shape with torch.distributed.pipelining (where torch is "
                               "installed).")
+    side_by_side: bool = option(True, "Also train each 4-stage run with the forwards beside the backwards.")
 
 
 def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int = 3) -> float:
@@ -155,12 +161,16 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         calls = call_costs(folder / "plan4", 1, config.batch_size // MICRO_BATCHES)
         rows.append({"run": "stage_call", "model": config.pipeline_model, "stage": 1,
                      "rows": config.batch_size // MICRO_BATCHES, **{k: round(v, 4) for k, v in calls.items()}})
-        pipelined = {}
+        pipelined, beside = {}, {}
         for slowdown in dict.fromkeys(("1", config.slowdown)):  # real compute first, then the emulated devices
             with LocalCluster(STAGES, slowdowns=[slowdown] * STAGES) as four:
                 out = folder / f"run4-slowdown{slowdown}"
-                rate, steps = edgert_run(folder / "plan4", four.urls, out, batch_size=config.batch_size,
-                                         micro_batches=MICRO_BATCHES, steps=config.pipeline_steps, schedule="1f1b")
+                shape = dict(batch_size=config.batch_size, micro_batches=MICRO_BATCHES, steps=config.pipeline_steps,
+                             schedule="1f1b")
+                rate, steps = edgert_run(folder / "plan4", four.urls, out, **shape)
+                if config.side_by_side:
+                    beside[slowdown] = edgert_run(folder / "plan4", four.urls, folder / f"side-slowdown{slowdown}",
+                                                  side_by_side=True, **shape)[0]
             figures = pipeline_figures(steps, STAGES, MICRO_BATCHES, skip=3)
             pipelined[slowdown] = rate, figures
             if config.keep and slowdown == config.slowdown:
@@ -168,6 +178,10 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
             rows.append({"run": "edgert_4stage_1f1b", "model": config.pipeline_model, "stages": STAGES,
                          "micro_batches": MICRO_BATCHES, "slowdown": slowdown, "blocks_per_stage": blocks,
                          "samples_per_s": round(rate, 1), **{k: round(v, 2) for k, v in figures.items()}})
+            if slowdown in beside:
+                rows.append({"run": "edgert_4stage_1f1b_side_by_side", "model": config.pipeline_model,
+                             "stages": STAGES, "micro_batches": MICRO_BATCHES, "slowdown": slowdown,
+                             "samples_per_s": round(beside[slowdown], 1)})
         peer = None
         if config.peer and torch_peer.available():
             pipeline_spec = get_model_spec(config.pipeline_model)
@@ -185,6 +199,8 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         ratios.update({f"f1b_vs_ideal_4stages{suffix}": ratio(figures["ideal_ms"], figures["measured_ms"], 3),
                        f"f1b_vs_simulated{suffix}": ratio(figures["simulated_ms"], figures["measured_ms"], 3),
                        f"f1b_schedule_ceiling{suffix}": ratio(figures["ideal_ms"], figures["simulated_ms"], 3)})
+        if slowdown in beside:
+            ratios[f"side_by_side_vs_one_after_the_other{suffix}"] = ratio(beside[slowdown], pipelined[slowdown][0], 3)
     ratios["edgert_vs_torch_pipelining"] = ratio(pipelined["1"][0], peer, 3)
     ratios["hop_vs_raw_tcp"] = ratio(hop["hop_median_ms"], hop["raw_tcp_median_ms"], 2)
     ratios["call_vs_bare_session"] = ratio(calls["bare_forward_ms"] + calls["bare_backward_ms"],
@@ -209,6 +225,9 @@ def format_table(outcome: dict[str, Any]) -> str:
              "  " + "  ".join(f"{name}={figures.get(name + suffix)}" for name in names),
              f"  edgert_vs_torch_pipelining={figures['edgert_vs_torch_pipelining']} (slowdown 1"
              f"{'' if outcome['peer'] is None else '; ' + outcome['peer']})"]
+    if "side_by_side_vs_one_after_the_other" + suffix in figures:
+        lines.append(f"  side_by_side_vs_one_after_the_other={figures['side_by_side_vs_one_after_the_other' + suffix]}"
+                     f" (forwards beside backwards, samples/s over one after the other)")
     hop = next((row for row in outcome["rows"] if row["run"] == "idle_hop"), None)
     call = next((row for row in outcome["rows"] if row["run"] == "stage_call"), None)
     if hop is not None:

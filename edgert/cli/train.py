@@ -37,8 +37,14 @@ from edgert.schedule import SCHEDULES
               help="Codec for gradients on every link: none, fp16, int8, int4, topk:RATIO (e.g. topk:0.01) or "
                    "topk:k=N. Given, it overrides the plan's per-link codecs; default: the plan's (a link's "
                    f"gradients go in its activations' codec), else {RunSettings.backward_codec}.")
-@click.option("--threads", type=int, default=TrainConfig.forward_threads, show_default=True,
-              help="ORT intra-op threads per worker session.")
+@click.option("--threads", type=click.IntRange(min=1), default=TrainConfig.forward_threads, show_default=True,
+              help="ORT intra-op threads of each worker's forward session (and of its backward session, unless "
+                   "--backward-threads).")
+@click.option("--backward-threads", type=click.IntRange(min=1), default=None,
+              help="ORT intra-op threads of each worker's backward session (default: --threads).")
+@click.option("--side-by-side/--one-after-the-other", default=TrainConfig.side_by_side, show_default=True,
+              help="Run each stage's forwards on a thread of their own, beside its backwards (1F1B and GPipe; "
+                   "stages without BatchNorm): for workers with a core to spare for each session's threads.")
 @click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=TrainConfig.memory_mode, show_default=True,
               help="recompute: keep each in-flight micro-batch's inputs, recompute its forward in the backward; "
                    "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
@@ -80,7 +86,8 @@ from edgert.schedule import SCHEDULES
 @log_level_option
 def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs: int, steps: int | None,
                   batch_size: int, micro_batches: int, schedule: str, learning_rate: float | None, seed: int,
-                  codec: str | None, grad_codec: str | None, threads: int, memory_mode: str, out_dir: Path | None,
+                  codec: str | None, grad_codec: str | None, threads: int, backward_threads: int | None,
+                  side_by_side: bool, memory_mode: str, out_dir: Path | None,
                   overwrite: bool,
                   listen: str | None, keys: Path | None,
                   insecure: bool, advertise: str | None,
@@ -111,7 +118,8 @@ def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs
         plan_dir=plan, workers=workers, out_dir=out_dir,
         data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
         schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
-        forward_threads=threads, backward_threads=threads, listen=listen or default_listen(keys is not None, 0),
+        forward_threads=threads, backward_threads=backward_threads or threads, side_by_side=side_by_side,
+        listen=listen or default_listen(keys is not None, 0),
         keys=keys, advertise=advertise,
         step_timeout=step_timeout, replan=replan, replan_every=replan_every, replan_threshold=replan_threshold,
         replan_at=forced, replan_groups=replan_groups, devices=devices, memory_mode=memory_mode,

@@ -72,6 +72,7 @@ class TrainConfig:
     backward_codec: str | None = None  # every link's gradients; None: the plan's per link, else RunSettings'
     forward_threads: int = RunSettings.forward_threads
     backward_threads: int = RunSettings.backward_threads
+    side_by_side: bool = RunSettings.side_by_side
     connect_timeout: float = 5.0
     step_timeout: float = RunSettings.wait_timeout
     listen: str = "coap+tcp://0.0.0.0:0"
@@ -98,7 +99,7 @@ class TrainConfig:
         given = {f"{d}_codec": getattr(self, f"{d}_codec") for d in DIRECTIONS if d not in self.planned_codecs()}
         return RunSettings(training=with_learning_rate(training, self.learning_rate), **given,
                            forward_threads=self.forward_threads, backward_threads=self.backward_threads,
-                           wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
+                           side_by_side=self.side_by_side, wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
                            replicate_every=self.replicate_every, central_every=self.central_every)
 
     def planned_codecs(self) -> tuple[str, ...]:

@@ -14,6 +14,8 @@ Map of the package (resources: docs/PROTOCOL.md §9; threads and schedules: docs
 - ``compute_thread.py`` :class:`ComputeThread`: runs the queued windows, reports steps, sends tensors on
 - ``executor.py``       :class:`StageExecutor`: one window of the schedule, action by action (in a group:
   its rows only)
+- ``forward_lane.py``   :class:`ForwardLane`: a stage's forwards on a thread of their own, beside its
+  backwards (``--side-by-side``)
 - ``group_exchange.py`` :class:`GroupExchange`: a group's gradients (and running statistics) combined before
   every optimizer step (/groupgrad)
 - ``joining.py``        :class:`Joining`: ``--join``, offering the worker to a coordinator with bounded backoff

@@ -34,6 +34,8 @@ class CurrentStage:
 
     def install(self, assignment: StageAssignment, session: StageSession, executor: StageExecutor) -> None:
         """``assignment``'s stage is the current one now, loaded, no step of it done yet."""
+        if self.executor is not None:
+            self.executor.close()
         self.assignment, self.session, self.executor = assignment, session, executor
         self.health = Health(name=self._name, state="loaded", run_id=assignment.run_id,
                              stage=assignment.entry.index, slowdown=self._slowdown)

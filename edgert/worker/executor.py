@@ -7,6 +7,9 @@ next stage; ``B`` waits for the gradients (or, on the last stage, the labels), r
 backward and hands the input gradients to the previous stage; ``S`` steps the optimizer.
 The last stage's forward is folded into its backward. Under the ``async`` schedule the
 weights a micro-batch's forward used are stashed and restored for its backward (PipeDream).
+With ``side_by_side`` the forwards run on a second thread beside the backwards
+(edgert.worker.forward_lane), on the synchronous schedules and where no forward updates running
+statistics (a BatchNorm's forward would read them while a backward writes them).
 Everything it does is timed, per step, for the coordinator's metrics and trace. Before it
 waits for a tensor it calls ``before_wait`` (the compute thread sends the step reports it has
 gathered): what it waits for may be sent only once those reports arrive.
@@ -15,6 +18,9 @@ gathered): what it waits for may be sent only once those reports arrive.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+import threading
 import time
 from collections.abc import Callable, Hashable
 
@@ -25,7 +31,8 @@ from edgert.protocol import StepReport
 from edgert.schedule import Computation, Key, MicroBatch, Schedule, Window, stage_actions
 from edgert.stage import StageSession
 from edgert.transport import Codec
-from edgert.worker.errors import InboxSkipped
+from edgert.worker.errors import InboxAborted, InboxSkipped
+from edgert.worker.forward_lane import ForwardLane
 from edgert.worker.gate import StepGate
 from edgert.worker.group_exchange import GroupExchange
 from edgert.worker.inbox import Inbox
@@ -44,7 +51,7 @@ class StageExecutor:
                  send_backward: Sender, slowdown: SlowdownSchedule = SlowdownSchedule(),
                  wait_timeout: float | None = None, before_wait: Callable[[], None] | None = None,
                  routing: StageRouting | None = None, send_group: GroupSender | None = None,
-                 group_codec: Codec | None = None):
+                 group_codec: Codec | None = None, side_by_side: bool = False):
         self.session = session
         self.routing = routing or StageRouting(None, 0, None, None)
         self._exchange = GroupExchange(session, self.routing, self._take_key, send_group, group_codec) \
@@ -64,6 +71,9 @@ class StageExecutor:
         self._version = 0
         self.activity = "idle"  # what the compute thread is doing now, for /health
         self.gate = StepGate()
+        self._lane = ForwardLane(f"stage{stage}", inbox.interrupt) \
+            if side_by_side and not self.is_last and not session.entry.buffer_updates else None
+        self._report_lock = threading.Lock()  # the lane's forwards and this thread's backwards share the reports
 
     @property
     def is_first(self) -> bool:
@@ -84,7 +94,11 @@ class StageExecutor:
         reports = {step: StepReport(step=step, stage=self.stage, started=time.time()) for step in window.steps}
         last_backward: MicroBatch | None = None
         done = []
-        for action in actions:
+        lane = self._lane if window.schedule != Schedule.ASYNC else None
+        handed: set[int] = set()  # positions of forwards handed to the lane ahead of their turn
+        for position, action in enumerate(actions):
+            if position in handed:
+                continue
             if action.kind is Computation.STEP:
                 step = last_backward.step if window.schedule == Schedule.ASYNC and last_backward else window.steps[-1]
             else:
@@ -94,12 +108,24 @@ class StageExecutor:
                 continue  # the segment was cut short before this step
             self.activity = f"{action.kind.name.lower()} {step}"  # "forward 12"
             try:
-                if action.kind is Computation.FORWARD:
+                if action.kind is Computation.FORWARD and lane is not None:
+                    self._hand_over(lane, batches[action.microbatch], reports, window)
+                elif action.kind is Computation.FORWARD:
                     self._forward(batches[action.microbatch], reports[step], window)
                 elif action.kind is Computation.BACKWARD:
                     last_backward = batches[action.microbatch]
+                    if lane is not None:
+                        # the forwards after this backward need nothing from it: they run beside it
+                        for ahead in itertools.takewhile(lambda p: actions[p].kind is Computation.FORWARD,
+                                                         range(position + 1, len(actions))):
+                            handed.add(ahead)
+                            self.gate.enter(batches[actions[ahead].microbatch].step)
+                            self._hand_over(lane, batches[actions[ahead].microbatch], reports, window)
+                        lane.wait_for(last_backward.key, self._before_wait)
                     self._backward(last_backward, reports[step], window)
                 else:
+                    if lane is not None:
+                        lane.wait_idle(self._before_wait)  # the step changes the weights a forward reads
                     self._combine(window, step, reports[step])
                     self._step(reports[step])
                     done.append(step)
@@ -107,8 +133,16 @@ class StageExecutor:
                         on_step(reports[step])
             except InboxSkipped:
                 self._held.pop(batches[action.microbatch].key, None)
+        if lane is not None:
+            lane.wait_idle(self._before_wait)
         self.activity = "idle"
         return [reports[step] for step in done]
+
+    def _hand_over(self, lane: ForwardLane, batch: MicroBatch, reports: dict[int, StepReport],
+                   window: Window) -> None:
+        """``batch``'s forward to the lane (unless a truncation dropped its step)."""
+        if not self._truncated(batch.step):
+            lane.submit(batch.key, functools.partial(self._forward, batch, reports[batch.step], window, True))
 
     def _warm_up(self, rows: int) -> None:
         """Before an emulated device first computes micro-batches of ``rows``: learn their warm times."""
@@ -138,8 +172,8 @@ class StageExecutor:
 
     # -- actions -----------------------------------------------------------------------------
 
-    def _forward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
-        inputs = self._take_rows("act", "previous", batch, report)
+    def _forward(self, batch: MicroBatch, report: StepReport, window: Window, in_lane: bool = False) -> None:
+        inputs = self._take_rows("act", "previous", batch, report, in_lane=in_lane)
         kept: dict[str, np.ndarray] | None = {} if self.session.stashing else None
         self._held[batch.key] = (inputs, kept)
         if window.schedule == Schedule.ASYNC and not self.is_last:
@@ -153,6 +187,8 @@ class StageExecutor:
         self._send(self._send_forward, batch.key, outputs, report, self._piece_rows("next", batch))
 
     def _backward(self, batch: MicroBatch, report: StepReport, window: Window) -> None:
+        if batch.key not in self._held:  # its forward, in the lane, met a truncation
+            raise InboxSkipped(f"{batch.key} is after a truncation")
         inputs, kept = self._held.pop(batch.key)
         if self.is_last:
             labels = self._take("labels", batch, report)
@@ -198,12 +234,14 @@ class StageExecutor:
 
     # -- bookkeeping -------------------------------------------------------------------------
 
-    def _take_rows(self, kind: str, link: str, batch: MicroBatch, report: StepReport) -> dict[str, np.ndarray]:
+    def _take_rows(self, kind: str, link: str, batch: MicroBatch, report: StepReport,
+                   in_lane: bool = False) -> dict[str, np.ndarray]:
         """``batch``'s tensors from the ``link`` neighbour: whole, or this worker's rows gathered from the row
         pieces its members send (in row order) when either side is a group."""
         if not self.routing.split(link):
-            return self._take(kind, batch, report)
-        parts = [self._take(kind, batch, report, row=start) for _, start, _ in self.routing.pieces(link, batch.size)]
+            return self._take(kind, batch, report, in_lane=in_lane)
+        parts = [self._take(kind, batch, report, row=start, in_lane=in_lane)
+                 for _, start, _ in self.routing.pieces(link, batch.size)]
         if len(parts) == 1:
             return parts[0]
         return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
@@ -218,15 +256,21 @@ class StageExecutor:
             self._before_wait()
         return self.inbox.take(key, self.wait_timeout)[0]
 
-    def _take(self, kind: str, batch: MicroBatch, report: StepReport, row: int | None = None):
+    def _take(self, kind: str, batch: MicroBatch, report: StepReport, row: int | None = None,
+              in_lane: bool = False):
+        """Wait for ``batch``'s ``kind`` tensors. The forward lane neither sends the step reports first (this
+        thread does, before it waits for the lane) nor counts its wait as the stage's idle time (the backwards
+        may be computing meanwhile)."""
         key = (kind, batch.step, batch.index) if row is None else (kind, batch.step, batch.index, row)
-        if self._before_wait is not None and not self.inbox.holds(key):
+        if self._before_wait is not None and not in_lane and not self.inbox.holds(key):
             self._before_wait()
         value, waited = self.inbox.take(key, self.wait_timeout)
-        if waited > 1e-4:
-            now = time.time()
-            report.spans.append((f"wait {kind}", now - waited, waited))
-        report.idle_ms += waited * 1000
+        with self._report_lock:
+            if waited > 1e-4:
+                now = time.time()
+                report.spans.append((f"wait {kind}", now - waited, waited))
+            if not in_lane:
+                report.idle_ms += waited * 1000
         return value
 
     def _clock(self) -> tuple[float, float]:
@@ -238,16 +282,17 @@ class StageExecutor:
         cpu = time.thread_time() - started[1] if self.session.single_threaded else None
         slept = self.slowdown.emulate(step, call, elapsed, cpu)
         total = elapsed + slept
-        setattr(report, field_name, getattr(report, field_name) + total * 1000)
-        report.slowdown_ms += slept * 1000
-        report.spans.append((name, time.time() - total, total))
+        with self._report_lock:
+            setattr(report, field_name, getattr(report, field_name) + total * 1000)
+            report.slowdown_ms += slept * 1000
+            report.spans.append((name, time.time() - total, total))
 
-    @staticmethod
-    def _send(sender: Sender, key: Key, tensors: dict[str, np.ndarray], report: StepReport,
+    def _send(self, sender: Sender, key: Key, tensors: dict[str, np.ndarray], report: StepReport,
               pieces: dict[str, int]) -> None:
         started = time.perf_counter()
         sender(key, tensors, **pieces)
-        report.send_ms += (time.perf_counter() - started) * 1000
+        with self._report_lock:
+            report.send_ms += (time.perf_counter() - started) * 1000
 
     @staticmethod
     def _score(report: StepReport, rows: int, loss: float | None, prediction, labels) -> None:
@@ -259,6 +304,15 @@ class StageExecutor:
 
     def reset(self) -> None:
         """Forget held inputs and stashed weights (after a failure or a re-plan)."""
+        if self._lane is not None:
+            self.inbox.interrupt(InboxAborted("the window was abandoned"))  # a forward waiting for its input ends
+            self._lane.reset()
+            self.inbox.resume()
         self._held.clear()
         self._stash.clear()
         self._stash_version.clear()
+
+    def close(self) -> None:
+        """The stage is replaced: the forward lane's thread ends."""
+        if self._lane is not None:
+            self._lane.close()

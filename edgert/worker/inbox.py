@@ -33,6 +33,7 @@ class Inbox:
         self._taken_order: deque[Hashable] = deque()
         self._condition = threading.Condition()
         self._aborted: str | None = None
+        self._interrupted: Exception | None = None
         self.last_step: int | None = None  # steps after this will not run (truncated segment)
         self.capacity = capacity
 
@@ -69,6 +70,8 @@ class Inbox:
             while key not in self._items:
                 if self._aborted is not None:
                     raise InboxAborted(self._aborted)
+                if self._interrupted is not None:
+                    raise self._interrupted
                 if self.last_step is not None and key[1] > self.last_step:
                     raise InboxSkipped(f"{key} is after the truncation at step {self.last_step}")
                 remaining = None if deadline is None else deadline - time.perf_counter()
@@ -96,6 +99,18 @@ class Inbox:
             self._aborted = reason
             self._condition.notify_all()
 
+    def interrupt(self, error: Exception) -> None:
+        """Wake every waiter with ``error`` (the stage failed in another of its threads); later waits raise
+        it too, until :meth:`resume`."""
+        with self._condition:
+            self._interrupted = error
+            self._condition.notify_all()
+
+    def resume(self) -> None:
+        """Waits wait again (the failure that interrupted them was dealt with)."""
+        with self._condition:
+            self._interrupted = None
+
     def truncate(self, last_step: int) -> None:
         """No step after ``last_step`` will run: waiters for later steps give up, their messages go."""
         with self._condition:
@@ -113,6 +128,7 @@ class Inbox:
             self._taken.clear()
             self._taken_order.clear()
             self._aborted = None
+            self._interrupted = None
             self.last_step = None
 
     def _drop(self, key: Hashable) -> None:

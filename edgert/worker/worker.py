@@ -254,7 +254,8 @@ class Worker:
                                  self.config.slowdown, assignment.settings.wait_timeout,
                                  before_wait=self.compute.flush_reports, routing=assignment.routing,
                                  send_group=self.compute.send_group,
-                                 group_codec=get_codec(assignment.group_codec))
+                                 group_codec=get_codec(assignment.group_codec),
+                                 side_by_side=assignment.settings.side_by_side)
         self.current.install(assignment, session, executor)
 
     # -- running it --------------------------------------------------------------------------

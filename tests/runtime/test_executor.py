@@ -28,14 +28,15 @@ def make_plan(tmp_path, name="cnn", stages=3, lr=1e-2):
 class ThreadedPipeline:
     """Executors on threads; sends go straight into the neighbour's inbox."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, side_by_side=False, memory_mode="recompute"):
         manifest = load_manifest(plan)
         self.inboxes = [Inbox() for _ in manifest.stages]
         self.executors = []
         for k, entry in enumerate(manifest.stages):
-            session = StageSession(entry, plan, manifest.training)
+            session = StageSession(entry, plan, manifest.training, memory_mode=memory_mode)
             self.executors.append(StageExecutor(session, k, self.inboxes[k], self._sender("act", k + 1),
-                                                self._sender("grad", k - 1), wait_timeout=30))
+                                                self._sender("grad", k - 1), wait_timeout=30,
+                                                side_by_side=side_by_side))
 
     def _sender(self, kind, target):
         def send(key, tensors):
@@ -91,6 +92,62 @@ def test_synchronous_schedules_equal_the_chain(tmp_path, schedule):
     expected = chain.parameters()
     for name, value in pipeline.parameters().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("schedule,memory_mode", [("gpipe", "recompute"), ("1f1b", "recompute"), ("1f1b", "stash")])
+def test_forwards_side_by_side_with_the_backwards_equal_the_chain(tmp_path, schedule, memory_mode):
+    plan = make_plan(tmp_path, "mlp", stages=3)
+    pipeline, chain = ThreadedPipeline(plan, side_by_side=True, memory_mode=memory_mode), StageChain(plan)
+    assert [e._lane is not None for e in pipeline.executors] == [True, True, False]  # the last has no forward
+    for step, (x, y) in enumerate(batches(1, 4, 16, shape=(64,))):
+        micro = split_batch(step, len(x), 8)
+        inputs = {m.key: {"input": x[sum(b.size for b in micro[:m.index]):][:m.size]} for m in micro}
+        labels = {m.key: {"labels": y[sum(b.size for b in micro[:m.index]):][:m.size]} for m in micro}
+        reports = pipeline.run(Window(schedule, 3, tuple(micro)), inputs, labels)
+        chain_loss = chain.train_batch({"input": x}, {"labels": y}, micro_batches=8).loss
+        chain.step()
+        assert reports[2][0].loss_sum / reports[2][0].samples == pytest.approx(chain_loss, rel=1e-5)
+    expected = chain.parameters()
+    for name, value in pipeline.parameters().items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_stage_whose_forward_updates_running_statistics_keeps_one_thread(tmp_path):
+    pipeline = ThreadedPipeline(make_plan(tmp_path, "cnn"), side_by_side=True)
+    assert all(executor._lane is None for executor in pipeline.executors)
+
+
+def test_a_failure_in_the_forward_lane_is_raised_in_the_executors_thread_which_goes_on_after(tmp_path):
+    plan = make_plan(tmp_path, "mlp", stages=2)
+    manifest = load_manifest(plan)
+    session = StageSession(manifest.stages[0], plan, manifest.training)
+    inbox, broken, sent = Inbox(), [True], []
+
+    def send_forward(key, tensors):
+        if broken[0]:
+            raise ConnectionError("the next stage is unreachable")
+        sent.append(key)
+
+    executor = StageExecutor(session, 0, inbox, send_forward, lambda key, tensors: None, wait_timeout=30,
+                             side_by_side=True)
+    x = np.ones((8, 64), np.float32)
+
+    def window(step):
+        micro = split_batch(step, 8, 2)
+        for m in micro:
+            inbox.put(("act", step, m.index), {"input": x[:m.size]})
+        return Window("1f1b", 2, tuple(micro))
+
+    # the backward waits for gradients that never come: the lane's failure wakes it, well before the timeout
+    with pytest.raises(ConnectionError, match="the next stage is unreachable"):
+        executor.run_window(window(0))
+    executor.reset()
+    broken[0] = False
+    second = window(1)
+    for m in second.microbatches:
+        inbox.put(("grad", 1, m.index), {"/fc1/Relu_output_0": np.ones((m.size, 128), np.float32)})
+    reports = executor.run_window(second)
+    assert [r.step for r in reports] == [1] and sent == [(1, 0), (1, 1)]
 
 
 def test_async_schedule_trains_and_keeps_staleness_bounded(tmp_path):

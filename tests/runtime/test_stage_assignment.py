@@ -28,7 +28,8 @@ ASSIGNMENT = StageAssignment(
     run_id="r1", entry=ENTRY, stages=3,
     peers=Peers("coap+tcp://10.0.0.1:5683", "coap+tcp://10.0.0.3:5683", "coap+tcp://10.0.0.9:5684", "w0", "w2"),
     settings=RunSettings(TrainingConfig(optimizer="sgd", momentum=0.9), forward_codec="int8:axis=1",
-                         backward_threads=2, wait_timeout=30, memory_mode="stash", replicate_every=5),
+                         backward_threads=2, side_by_side=True, wait_timeout=30, memory_mode="stash",
+                         replicate_every=5),
     replica_targets=("coap+tcp://10.0.0.3:5683",))
 
 
@@ -67,6 +68,7 @@ def _broken(change) -> Envelope:
     (lambda m: m["settings"].__setitem__("forward_threads", "2"),
      "meta.settings.forward_threads: expected an integer, got '2'"),
     (lambda m: m["settings"].__setitem__("backward_threads", 0), "meta.settings.backward_threads must be >= 1"),
+    (lambda m: m["settings"].__setitem__("side_by_side", 1), "meta.settings.side_by_side: expected true or false"),
     (lambda m: m["settings"].__setitem__("wait_timeout", True), "meta.settings.wait_timeout: expected a number"),
     (lambda m: m["settings"].__setitem__("memory_mode", "swap"), "meta.settings.memory_mode must be one of"),
     (lambda m: m["settings"].__setitem__("backward_codec", "bogus"), "meta.settings.backward_codec must be a codec"),
@@ -108,11 +110,12 @@ def test_the_signature_fields_and_the_profile_options_may_share_the_meta():
 
 
 def option_defaults(command: str) -> dict:
-    """``edgert <command>``'s options' defaults, by parameter name (a flag or a repeatable option states none)."""
+    """``edgert <command>``'s options' defaults, by parameter name (a lone flag or a repeatable option states none;
+    an on/off pair does)."""
     from edgert.cli import main
 
     return {param.name: param.default for param in main.get_command(click.Context(main), command).params
-            if not getattr(param, "is_flag", False) and not param.multiple}
+            if not (getattr(param, "is_flag", False) and not param.secondary_opts) and not param.multiple}
 
 
 def test_edgert_train_defaults_are_the_settings_defaults(tmp_path):
@@ -122,10 +125,11 @@ def test_edgert_train_defaults_are_the_settings_defaults(tmp_path):
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
     field_of = {"codec": "forward_codec", "grad_codec": "backward_codec", "threads": "forward_threads"}
     fields = {option: field_of.get(option, option) for option in options
-              if field_of.get(option, option) in defaults and option != "listen"}  # --listen's follows --insecure
+              if field_of.get(option, option) in defaults
+              and option not in ("listen", "backward_threads")}  # they follow --insecure, --threads
     assert {"data", "epochs", "steps", "batch_size", "micro_batches", "schedule", "learning_rate", "seed", "codec",
-            "grad_codec", "threads", "memory_mode", "step_timeout", "replan", "replan_every", "replan_threshold",
-            "replicate_every", "central_every", "replicas"} <= set(fields)
+            "grad_codec", "threads", "side_by_side", "memory_mode", "step_timeout", "replan", "replan_every",
+            "replan_threshold", "replicate_every", "central_every", "replicas"} <= set(fields)
     assert {option: options[option] for option in fields} == {option: defaults[f] for option, f in fields.items()}
 
 
