@@ -18,7 +18,9 @@ for logs and tests, and parse back (:meth:`Action.parse`).
 
 from __future__ import annotations
 
+import collections
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -160,26 +162,59 @@ def max_in_flight(actions: list[Action]) -> int:
 
 
 def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], microbatches: int,
-             link_ms: list[float] | None = None) -> float:
+             link_ms: list[float] | None = None, side_by_side: Sequence[bool] = ()) -> float:
     """Makespan (ms) of one window of the schedule, from per-stage forward/backward times.
 
     ``link_ms[s]`` is the transfer time between stage ``s`` and ``s + 1``. The last stage's
-    forward is folded into its backward, as the runtime does. Raises if the schedule would
-    deadlock, which the tests use to prove every schedule is executable.
+    forward is folded into its backward, as the runtime does. A stage flagged in ``side_by_side``
+    (not the last; not under ``async``) runs its forwards on a lane of their own, as the runtime's
+    forward lane does: a forward is handed over when the stage reaches it, or when it reaches the
+    backward the forward follows; a backward waits for its forward, the step for the lane. Raises
+    if the schedule would deadlock, which the tests use to prove every schedule is executable.
     """
     stages = len(forward_ms)
     links = link_ms or [0.0] * (stages - 1)
     plans = [stage_actions(kind, s, stages, microbatches) for s in range(stages)]
+    lanes = {s for s, on in enumerate(side_by_side) if on and s < stages - 1 and Schedule.named(kind) != Schedule.ASYNC}
     done: dict[Action, float] = {}  # action on its stage -> finish time
-    clock = [0.0] * stages
+    clock = [0.0] * stages  # each stage's compute thread
+    lane = [0.0] * stages  # each stage's forward lane
+    handed: list[collections.deque[tuple[Action, float]]] = [collections.deque() for _ in range(stages)]
+    handed_to = [0] * stages  # positions before this are handed over already
     cursor = [0] * stages
     progressed = True
     while progressed:
         progressed = False
         for s in range(stages):
+            while handed[s]:  # the lane: the forwards handed over, in order
+                action, at = handed[s][0]
+                ready = _ready_time(action, s, stages, done, links)
+                if ready is None:
+                    break
+                lane[s] = max(lane[s], at, ready) + forward_ms[s]
+                done[action.on(s)] = lane[s]
+                handed[s].popleft()
+                progressed = True
             while cursor[s] < len(plans[s]):
                 action = plans[s][cursor[s]]
+                if s in lanes and action.kind is Computation.FORWARD:
+                    if cursor[s] >= handed_to[s]:
+                        handed[s].append((action, clock[s]))
+                        handed_to[s] = cursor[s] + 1
+                    cursor[s] += 1
+                    progressed = True
+                    continue
+                if s in lanes and action.kind is Computation.BACKWARD and handed_to[s] <= cursor[s]:
+                    # the forwards after this backward go to the lane when the stage reaches it
+                    end = cursor[s] + 1
+                    while end < len(plans[s]) and plans[s][end].kind is Computation.FORWARD:
+                        handed[s].append((plans[s][end], clock[s]))
+                        end += 1
+                    handed_to[s] = end
+                    progressed = True
                 ready = _ready_time(action, s, stages, done, links)
+                if s in lanes and action.kind is Computation.STEP and ready is not None:
+                    ready = None if handed[s] else max(ready, lane[s])  # the step waits for an idle lane
                 if ready is None:
                     break
                 cost = {Computation.FORWARD: 0.0 if s == stages - 1 else forward_ms[s],
@@ -188,10 +223,10 @@ def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], micro
                 done[action.on(s)] = clock[s]
                 cursor[s] += 1
                 progressed = True
-    if any(cursor[s] < len(plans[s]) for s in range(stages)):
+    if any(cursor[s] < len(plans[s]) or handed[s] for s in range(stages)):
         stuck = {s: str(plans[s][cursor[s]]) for s in range(stages) if cursor[s] < len(plans[s])}
         raise EdgertError(f"schedule {kind} deadlocks: stages waiting at {stuck}")
-    return max(clock)
+    return max(max(clock), max(lane))
 
 
 def _ready_time(action: Action, s: int, stages: int, done: dict[Action, float], links: list[float]) -> float | None:

@@ -69,11 +69,17 @@ class PlannedPlacement:
     batch_size: int
     micro_batches: int
     memory_mode: str
+    side_by_side: bool = False  # planned for forwards beside backwards: edgert train runs so, with each stage's threads
 
     @property
     def workers(self) -> list[str]:
         """The ``--workers`` list for ``edgert train``: every stage's members, in stage order."""
         return [url for stage in self.stages for url in stage.member_urls]
+
+    def threads(self) -> dict[str, tuple[int, int]]:
+        """Each planned worker's (forward, backward) ORT threads, by URL (a group's members share its split)."""
+        return {url: (stage.forward_threads, stage.backward_threads) for stage in self.stages
+                for url in stage.member_urls if url}
 
 
 def load_placement(plan_dir: Path) -> PlannedPlacement | None:
@@ -86,8 +92,10 @@ def load_placement(plan_dir: Path) -> PlannedPlacement | None:
 
 def plan_for_devices(model_path: Path, devices_path: Path, out_dir: Path, training: TrainingConfig,
                      batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
-                     memory_mode: str = "recompute", allow_groups: bool = False) -> tuple[Manifest, PlannedPlacement]:
-    """Plan ``model_path`` for the devices of ``devices_path`` and export the plan into ``out_dir``."""
+                     memory_mode: str = "recompute", allow_groups: bool = False,
+                     side_by_side: bool = False) -> tuple[Manifest, PlannedPlacement]:
+    """Plan ``model_path`` for the devices of ``devices_path`` and export the plan into ``out_dir`` (``side_by_side``:
+    for stages that run their forwards beside their backwards, docs/PLANNER.md)."""
     from edgert.exporter.planner.replanner import Replanner
 
     devices = load_devices(devices_path)
@@ -96,7 +104,7 @@ def plan_for_devices(model_path: Path, devices_path: Path, out_dir: Path, traini
         whole = _whole_model_plan(model_path, scratch / "whole", training)
         replanner = Replanner(scratch / "whole", whole, scratch / "cache", devices=devices_path,
                               batch_size=batch_size, micro_batches=micro_batches, schedule=schedule,
-                              memory_mode=memory_mode)
+                              memory_mode=memory_mode, side_by_side=side_by_side)
         return _plan_and_export(replanner, devices, devices_path, out_dir, allow_groups, schedule, batch_size,
                                 micro_batches, memory_mode)
 
@@ -120,7 +128,8 @@ def _plan_and_export(replanner: Replanner, devices, devices_path: Path, out_dir:
                               bottleneck_ms=round(placement.bottleneck_ms, 3),
                               predicted_step_ms=round(placement.predicted_step_ms, 3),
                               unused_devices=tuple(placement.unused_devices), schedule=schedule,
-                              batch_size=batch_size, micro_batches=micro_batches, memory_mode=memory_mode)
+                              batch_size=batch_size, micro_batches=micro_batches, memory_mode=memory_mode,
+                              side_by_side=replanner.side_by_side)
     (out_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return manifest, result
 

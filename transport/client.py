@@ -108,8 +108,6 @@ class _UdpTuning(TransportTuning):
         self.MAX_RETRANSMIT = max_retransmit
 
 
-
-
 class TensorClient:
     """Async CoAP client for edgert peers; one instance per process (or per loop) is enough."""
 

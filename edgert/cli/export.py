@@ -187,9 +187,13 @@ def _analysis_json(analysis) -> dict:
 @click.option("--groups/--no-groups", "allow_groups", default=True, show_default=True,
               help="Let a stage run on a group of devices that split each micro-batch, where that pays "
                    "(--no-groups: one device a stage).")
+@click.option("--side-by-side/--one-after-the-other", default=False, show_default=True,
+              help="Plan for stages that run their forwards beside their backwards (1f1b, devices with 2 cores or "
+                   "more): each device's cores split between the two; edgert train then runs so.")
 @click.option("--json", "as_json", is_flag=True, help="Print placement.json's content.")
 def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int, micro_batches: int, schedule: str,
-                 memory_mode: str, learning_rate: float, optimizer: str, allow_groups: bool, as_json: bool) -> None:
+                 memory_mode: str, learning_rate: float, optimizer: str, allow_groups: bool, side_by_side: bool,
+                 as_json: bool) -> None:
     require_host_extra("plan")
     from dataclasses import asdict
 
@@ -197,21 +201,23 @@ def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int
 
     training = TrainingConfig(optimizer=optimizer, learning_rate=learning_rate)
     _, placement = plan_for_devices(model, devices_path, out_dir, training, batch_size, micro_batches, schedule,
-                                    memory_mode, allow_groups)
+                                    memory_mode, allow_groups, side_by_side)
     if as_json:
         click.echo(json.dumps(asdict(placement)))
         return
     rows = [(s.index, _devices_of(s), f"{s.blocks[0]} .. {s.blocks[-1]} ({len(s.blocks)})", f"{s.compute_ms:.2f}",
+             f"{s.forward_threads}/{s.backward_threads}",
              placement.link_codecs[s.index] if s.index < len(placement.link_codecs) else "")
             for s in placement.stages]
     click.echo(format_table(["stage", "device (a group: shares)", "blocks", "predicted ms/micro-batch",
-                             "codec to next"], rows))
+                             "threads fwd/bwd", "codec to next"], rows))
     click.echo(f"bottleneck {placement.bottleneck_ms:.2f} ms per micro-batch; predicted step "
                f"{placement.predicted_step_ms:.1f} ms ({placement.schedule}, {placement.micro_batches} micro-batches)")
     if placement.unused_devices:
         click.echo(f"not used (they would slow the pipeline): {', '.join(placement.unused_devices)}")
     click.echo(f"train with: edgert train {out_dir} --workers {','.join(placement.workers)} "
-               f"--schedule {schedule} --micro-batches {micro_batches} --memory-mode {memory_mode}")
+               f"--schedule {schedule} --micro-batches {micro_batches} --memory-mode {memory_mode}"
+               + ("  (side by side, each stage with its threads: placement.json)" if side_by_side else ""))
 
 
 def _devices_of(stage) -> str:

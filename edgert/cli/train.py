@@ -42,9 +42,11 @@ from edgert.schedule import SCHEDULES
                    "--backward-threads).")
 @click.option("--backward-threads", type=click.IntRange(min=1), default=None,
               help="ORT intra-op threads of each worker's backward session (default: --threads).")
-@click.option("--side-by-side/--one-after-the-other", default=TrainConfig.side_by_side, show_default=True,
+@click.option("--side-by-side/--one-after-the-other", default=TrainConfig.side_by_side,
               help="Run each stage's forwards on a thread of their own, beside its backwards (1F1B and GPipe; "
-                   "stages without BatchNorm): for workers with a core to spare for each session's threads.")
+                   "stages without BatchNorm): for workers with a core for each session's threads. Default: as "
+                   "the plan was made (edgert plan --side-by-side), each worker then with the threads the plan "
+                   "split for it; else one after the other.")
 @click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=TrainConfig.memory_mode, show_default=True,
               help="recompute: keep each in-flight micro-batch's inputs, recompute its forward in the backward; "
                    "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
@@ -87,7 +89,7 @@ from edgert.schedule import SCHEDULES
 def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs: int, steps: int | None,
                   batch_size: int, micro_batches: int, schedule: str, learning_rate: float | None, seed: int,
                   codec: str | None, grad_codec: str | None, threads: int, backward_threads: int | None,
-                  side_by_side: bool, memory_mode: str, out_dir: Path | None,
+                  side_by_side: bool | None, memory_mode: str, out_dir: Path | None,
                   overwrite: bool,
                   listen: str | None, keys: Path | None,
                   insecure: bool, advertise: str | None,

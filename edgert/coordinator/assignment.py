@@ -43,6 +43,14 @@ class RunBriefing:
     replicas: int
     signing: StageSigning | None
     planned_codecs: tuple[str, ...]  # some of DIRECTIONS: those --codec / --grad-codec did not fix
+    threads: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # URL: planned (forward, backward)
+
+    def settings_for(self, url: str) -> RunSettings:
+        """The settings the worker at ``url`` is told: the run's, with the threads the plan split for it."""
+        if url not in self.threads:
+            return self.settings
+        forward, backward = self.threads[url]
+        return dataclasses.replace(self.settings, forward_threads=forward, backward_threads=backward)
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
                       previous_group=None if first else grouped[k - 1], next_group=None if last else grouped[k + 1])
         replicas = ring_neighbours(order, k, briefing.replicas) if member == 0 else ()  # the holder's copies only
         assignment = StageAssignment(run_id=briefing.run_id, entry=entry, stages=stages, peers=peers,
-                                     settings=briefing.settings, replica_targets=replicas, group=grouped[k],
+                                     settings=briefing.settings_for(url), replica_targets=replicas, group=grouped[k],
                                      member=member)
         try:
             envelope = assignment.to_envelope(assignment.read_files(plan_dir))

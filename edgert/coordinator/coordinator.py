@@ -40,6 +40,7 @@ from edgert.coordinator.segments import SegmentRunner, next_segment
 from edgert.coordinator.snapshots import CentralCopies
 from edgert.coordinator.stage_groups import check_splittable, groups_record, place_workers, planned_shares
 from edgert.errors import EdgertError
+from edgert.exporter.device_plan import load_placement
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, TrainingConfig, load_manifest
 from edgert.protocol import REPORT, STOP, Health
 from edgert.run_settings import RunSettings
@@ -72,7 +73,9 @@ class TrainConfig:
     backward_codec: str | None = None  # every link's gradients; None: the plan's per link, else RunSettings'
     forward_threads: int = RunSettings.forward_threads
     backward_threads: int = RunSettings.backward_threads
-    side_by_side: bool = RunSettings.side_by_side
+    # forwards beside backwards; None: as the plan was made (placement.json, edgert plan --side-by-side), each
+    # worker then with the threads the plan split for it; else RunSettings'
+    side_by_side: bool | None = None
     connect_timeout: float = 5.0
     step_timeout: float = RunSettings.wait_timeout
     listen: str = "coap+tcp://0.0.0.0:0"
@@ -94,13 +97,24 @@ class TrainConfig:
     overwrite: bool = False  # out_dir may hold another run: its records are removed
     keys: Path | None = None  # the cluster keystore (edgert keys init); None: plaintext (--insecure)
 
-    def run_settings(self, training: TrainingConfig) -> RunSettings:
-        """What every stage of this run is told, training by ``training`` (the plan's, ``--lr`` applied)."""
+    def run_settings(self, training: TrainingConfig, planned_side_by_side: bool = False) -> RunSettings:
+        """What every stage of this run is told, training by ``training`` (the plan's, ``--lr`` applied);
+        ``planned_side_by_side``: the plan was made for forwards beside backwards."""
         given = {f"{d}_codec": getattr(self, f"{d}_codec") for d in DIRECTIONS if d not in self.planned_codecs()}
+        side_by_side = planned_side_by_side if self.side_by_side is None else self.side_by_side
         return RunSettings(training=with_learning_rate(training, self.learning_rate), **given,
                            forward_threads=self.forward_threads, backward_threads=self.backward_threads,
-                           side_by_side=self.side_by_side, wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
+                           side_by_side=side_by_side, wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
                            replicate_every=self.replicate_every, central_every=self.central_every)
+
+    def runs_side_by_side(self, plan_dir: Path) -> bool:
+        """Whether the stages run their forwards beside their backwards (re-plans are costed so)."""
+        return bool(self.side_by_side) or self.plans_side_by_side(plan_dir)
+
+    def plans_side_by_side(self, plan_dir: Path) -> bool:
+        """Whether the stages run side by side because the plan was made so (``placement.json``; neither
+        ``--side-by-side`` nor ``--one-after-the-other`` given): each worker then with its planned threads."""
+        return self.side_by_side is None and bool(getattr(load_placement(plan_dir), "side_by_side", False))
 
     def planned_codecs(self) -> tuple[str, ...]:
         """The directions whose codec each link takes from the plan: those not given on the command line."""
@@ -296,11 +310,13 @@ class Coordinator:
         """What every stage assignment of this run carries."""
         scheme, _, port = parse_url(self.server.urls[0])
         host = self.config.advertise or _local_address_towards(self.config.workers[0])
+        planned = self.config.plans_side_by_side(self.state.plan_dir)
         self.state.settings = RunBriefing(
             run_id=self.run_id, coordinator_url=f"{scheme}://{host}:{port}",
-            settings=self.config.run_settings(self.state.manifest.training), replicas=self.config.replicas,
+            settings=self.config.run_settings(self.state.manifest.training, planned), replicas=self.config.replicas,
             signing=None if self.security is None else self.security.signing,
-            planned_codecs=self.config.planned_codecs())
+            planned_codecs=self.config.planned_codecs(),
+            threads=load_placement(self.state.plan_dir).threads() if planned else {})
 
     async def _assign_stages(self) -> None:
         self._prepare_settings()

@@ -112,7 +112,8 @@ class Replanning:
         self._replanner = Replanner(config.plan_dir, self._state.manifest, config.out_dir / "stage-cache",
                                     devices=config.devices, threshold=config.replan_threshold,
                                     batch_size=config.batch_size, micro_batches=config.micro_batches,
-                                    schedule=config.schedule, memory_mode=config.memory_mode)
+                                    schedule=config.schedule, memory_mode=config.memory_mode,
+                                    side_by_side=config.runs_side_by_side(config.plan_dir))
         if config.devices is None:
             await self._profile(dict(self._state.known))
         self._ready = True

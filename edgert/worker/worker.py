@@ -176,8 +176,10 @@ class Worker:
             session = await self._open(assignment, files, started)
             self._install(assignment, session)
         load_ms = (time.perf_counter() - started) * 1000
-        log.info("%s: loaded stage %d of run %s in %.0f ms", self.config.name, assignment.entry.index,
-                 assignment.run_id, load_ms)
+        settings = assignment.settings
+        log.info("%s: loaded stage %d of run %s in %.0f ms (ORT threads %d forward, %d backward, %s)",
+                 self.config.name, assignment.entry.index, assignment.run_id, load_ms, settings.forward_threads,
+                 settings.backward_threads, "side by side" if settings.side_by_side else "one after the other")
         if self.joining is not None:
             self.say(f"given stage {assignment.entry.index} of run {assignment.run_id} "
                      f"({len(assignment.entry.blocks)} blocks, loaded in {load_ms:.0f} ms)")

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from edgert.exporter.planner.problem import PlanProblem, in_flight, stashes_activations, stashes_weights
+from edgert.exporter.planner.problem import (
+    PlanProblem,
+    held_on,
+    side_by_side_on,
+    stashes_activations,
+    stashes_weights,
+)
 
 Stage = tuple[int, int, tuple[int, ...]]
 TINY_MS = 1e-12  # a stage measured at 0 ms still gets a finite share of a group's work
@@ -28,9 +34,13 @@ def device_times(problem: PlanProblem, first: int, end: int, device: int) -> tup
 
 
 def device_work(problem: PlanProblem, first: int, end: int, device: int, last: bool) -> float:
-    """A device's time per micro-batch on the stage: forward + backward, or backward only if last."""
+    """A device's time per micro-batch on the stage: forward + backward, backward only if last; side by side
+    the longer of the two (stashing: of the forward and the backward less the forward it does not redo)."""
     forward, backward = device_times(problem, first, end, device)
-    own = backward if last or problem.stash else forward + backward
+    if not last and side_by_side_on(problem, device):
+        own = max(forward, backward - forward if problem.stash else backward)
+    else:
+        own = backward if last or problem.stash else forward + backward
     costs = problem.devices[device]
     return max(own + (costs.last_call if last else costs.call_ms), TINY_MS)
 
@@ -81,7 +91,7 @@ def memory_bytes(problem: PlanProblem, first: int, end: int, device: int, rank: 
     the largest backward peak.
     """
     params = sum(unit.param_bytes for unit in problem.units[first:end])
-    held = in_flight(problem.schedule, rank, problem.micro_batches)
+    held = held_on(problem, rank, device)
     stash = held * params if stashes_weights(problem, rank) else 0
     kept = problem.units[first].input_bytes
     if stashes_activations(problem, rank):

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from edgert.exporter.errors import PlanError
 from edgert.exporter.planner import costs
 from edgert.exporter.planner.costs import Stage
-from edgert.exporter.planner.problem import PlanProblem, check_problem, in_flight, stashes_activations, stashes_weights
+from edgert.exporter.planner.problem import (
+    PlanProblem,
+    check_problem,
+    held_on,
+    side_by_side_on,
+    stashes_activations,
+    stashes_weights,
+)
 from edgert.schedule import Schedule, simulate
 
 
@@ -73,8 +80,9 @@ def build_placement(problem: PlanProblem, stages: Sequence[Stage]) -> Placement:
     links = [costs.choose_codec(problem, a[2], b[2], b[0], threshold) for a, b in pairs]
     link_times = [ms for _, ms in links]
     timings = [costs.simulated_times(problem, stage, last) for stage, last in zip(stages, lasts)]
+    beside = [all(side_by_side_on(problem, d) for d in devices) for _, _, devices in stages]
     step = step_ms(problem.schedule, [f for f, _ in timings], [b for _, b in timings], problem.micro_batches,
-                   link_times)
+                   link_times, beside)
     used = {d for stage in stages for d in stage[2]}
     return Placement(
         stages=tuple(_stage_plan(problem, stage, count - 1 - s, ms, lasts[s])
@@ -85,11 +93,12 @@ def build_placement(problem: PlanProblem, stages: Sequence[Stage]) -> Placement:
 
 
 def step_ms(schedule: str, forward_ms: list[float], backward_ms: list[float], micro_batches: int,
-            link_ms: list[float]) -> float:
-    """Predicted time per optimizer step: a synchronous schedule's window of ``micro_batches``; under
-    ``async`` (no flush) the steady interval between steps, not one batch's trip through the pipeline."""
+            link_ms: list[float], side_by_side: Sequence[bool] = ()) -> float:
+    """Predicted time per optimizer step: a synchronous schedule's window of ``micro_batches`` (``side_by_side``:
+    the stages whose forwards run beside their backwards); under ``async`` (no flush) the steady interval
+    between steps, not one batch's trip through the pipeline."""
     if schedule != Schedule.ASYNC:
-        return simulate(schedule, forward_ms, backward_ms, micro_batches, link_ms)
+        return simulate(schedule, forward_ms, backward_ms, micro_batches, link_ms, side_by_side)
     warm = 2 * len(forward_ms) + 2  # enough steps for the pipeline to be full
     longer = simulate(schedule, forward_ms, backward_ms, 2 * warm, link_ms)
     return (longer - simulate(schedule, forward_ms, backward_ms, warm, link_ms)) / warm
@@ -97,11 +106,25 @@ def step_ms(schedule: str, forward_ms: list[float], backward_ms: list[float], mi
 
 def _stage_plan(problem: PlanProblem, stage: Stage, rank: int, ms: float, last: bool) -> StagePlan:
     first, end, devices = stage
-    cores = tuple(problem.devices[d].cores for d in devices)
+    threads = [_threads(problem, first, end, d, last) for d in devices]
     return StagePlan(first=first, end=end, devices=tuple(problem.devices[d].name for d in devices),
                      shares=costs.shares(problem, stage, last), compute_ms=ms,
                      memory_bytes=max(costs.memory_bytes(problem, first, end, d, rank) for d in devices),
-                     forward_threads=cores, backward_threads=cores)
+                     forward_threads=tuple(f for f, _ in threads), backward_threads=tuple(b for _, b in threads))
+
+
+def _threads(problem: PlanProblem, first: int, end: int, device: int, last: bool) -> tuple[int, int]:
+    """(forward, backward) ORT threads: every core for both, one after the other; side by side the cores
+    split in proportion to the two directions' measured times, at least one each (how each direction's time
+    scales with threads is not measured: the planner's times stay the profiled ones)."""
+    cores = problem.devices[device].cores
+    if last or not side_by_side_on(problem, device):
+        return cores, cores
+    forward, backward = costs.device_times(problem, first, end, device)
+    gradients = backward - forward if problem.stash else backward
+    share = forward / (forward + gradients) if forward + gradients > 0 else 0.5
+    forward_threads = min(cores - 1, max(1, round(cores * share)))
+    return forward_threads, cores - forward_threads
 
 
 def _check_stages(problem: PlanProblem, stages: Sequence[Stage]) -> None:
@@ -169,7 +192,7 @@ def _remedies(problem: PlanProblem) -> list[str]:
 
 def _breakdown(problem: PlanProblem, first: int, end: int, device: int, rank: int) -> str:
     params = sum(unit.param_bytes for unit in problem.units[first:end])
-    held = in_flight(problem.schedule, rank, problem.micro_batches)
+    held = held_on(problem, rank, device)
     parts = [f"state {size_text(params * (2 + problem.optimizer_slots))}",
              f"{held} in-flight input(s) {size_text(held * problem.micro_batch * problem.units[first].input_bytes)}",
              f"backward peak {size_text(max(problem.devices[device].peak_bytes[first:end]))}"]

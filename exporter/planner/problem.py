@@ -59,6 +59,7 @@ class PlanProblem:
     optimizer_slots: int = 2  # buffers per parameter: AdamW 2, SGD+momentum 1, SGD 0
     allow_groups: bool = False  # a stage may run on several devices splitting each micro-batch
     stash: bool = False  # activation stashing: a stage's backward does not recompute its forward
+    side_by_side: bool = False  # a stage's forwards may run beside its backwards (see side_by_side_on)
     codecs: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CODECS), hash=False)
 
     def codec_ladder(self) -> tuple[tuple[str, float], ...]:
@@ -82,6 +83,19 @@ def in_flight(schedule: str, rank: int, micro_batches: int) -> int:
     if schedule == Schedule.ASYNC:
         return rank + 1
     return 1 if rank == 0 else min(rank + 2, micro_batches)
+
+
+def side_by_side_on(problem: PlanProblem, device: int) -> bool:
+    """Whether a stage that is not the last runs its forwards beside its backwards on ``device``: asked for,
+    under 1F1B (GPipe has nothing to overlap; ``async`` keeps one thread), and with a core for each."""
+    return problem.side_by_side and problem.schedule == Schedule.ONE_F_ONE_B and problem.devices[device].cores >= 2
+
+
+def held_on(problem: PlanProblem, rank: int, device: int) -> int:
+    """Micro-batches a stage holds at once on ``device``: :func:`in_flight`, and side by side the forward
+    handed to the lane before the backward it follows."""
+    held = in_flight(problem.schedule, rank, problem.micro_batches)
+    return min(held + 1, problem.micro_batches) if rank > 0 and side_by_side_on(problem, device) else held
 
 
 def stashes_weights(problem: PlanProblem, rank: int) -> bool:

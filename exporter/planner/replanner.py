@@ -124,12 +124,13 @@ class Replanner:
 
     def __init__(self, plan_dir: Path, manifest: Manifest, cache_dir: Path, devices: Path | None = None,
                  threshold: float = 0.1, batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
-                 memory_mode: str = "recompute"):
+                 memory_mode: str = "recompute", side_by_side: bool = False):
         self.source_path = Path(plan_dir) / SOURCE_FILE  # the model the units of a live profile are cut from
         self.source = load_plan_source(plan_dir, manifest.source_sha256)
         self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions(frozen=frozen_in(manifest.metadata)))
         self.training = manifest.training
         self.memory_mode = memory_mode
+        self.side_by_side = side_by_side  # stages run their forwards beside their backwards (costed so)
         self.cache_dir = cache_dir
         self.threshold = threshold
         self.schedule = schedule
@@ -323,7 +324,8 @@ class Replanner:
         slots = 2 if self.training.optimizer == "adamw" else int(bool(self.training.momentum))
         return PlanProblem(units=units, devices=tuple(devices), bandwidth=bandwidth, rtt_ms=rtt,
                            micro_batch=self.micro_batch, micro_batches=self.micro_batches, schedule=self.schedule,
-                           optimizer_slots=slots, stash=self.stashing, allow_groups=allow_groups)
+                           optimizer_slots=slots, stash=self.stashing, allow_groups=allow_groups,
+                           side_by_side=self.side_by_side)
 
     def _unit(self, index: int, first: int, end: int):
         from edgert.exporter.planner.solver import Unit

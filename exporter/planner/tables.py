@@ -11,17 +11,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgert.exporter.planner.costs import TINY_MS
-from edgert.exporter.planner.problem import PlanProblem, in_flight, stashes_activations, stashes_weights
+from edgert.exporter.planner.problem import PlanProblem, held_on, side_by_side_on, stashes_activations, stashes_weights
 
 
 @dataclass(frozen=True)
 class Tables:
     units: int
     devices: int
-    work: np.ndarray  # (devices, U+1, U+1): forward + backward ms of a non-last stage
+    work: np.ndarray  # (devices, U+1, U+1): forward + backward ms of a non-last stage (side by side: the longer)
     speed: np.ndarray  # 1 / work: micro-batches per ms, summed over a group's members
     last_work: np.ndarray  # (devices, U+1): backward ms of the last stage [j, U)
-    unit_work: np.ndarray  # (devices, U): forward + backward ms of each unit
+    unit_work: np.ndarray  # (devices, U): forward + backward ms of each unit (side by side: a lower bound)
     unit_backward: np.ndarray  # (devices, U)
     max_rank: np.ndarray  # (devices, U+1, U+1): most stages that may follow [j, k) on the device (-1: never fits)
     params: np.ndarray  # (U+1, U+1): parameter bytes of [j, k)
@@ -45,6 +45,12 @@ def build_tables(problem: PlanProblem) -> Tables:
     upper = np.triu(np.ones((units + 1, units + 1), dtype=bool), k=1)
     # stashing: the forward (F) plus a backward without the recomputed forward (B - F) is B
     per_range = _ranges(backward) if problem.stash else _ranges(forward) + _ranges(backward)
+    # side by side the longer of the forward and the backward: not a sum over units, but at least the backward's
+    lanes = np.array([side_by_side_on(problem, d) for d in range(devices)], dtype=bool)
+    gradients = backward - forward if problem.stash else backward
+    per_range = np.where(lanes[:, None, None], np.maximum(_ranges(forward), _ranges(gradients)), per_range)
+    unit_work = np.where(lanes[:, None], np.diff(gradients, axis=1),
+                         np.diff(backward if problem.stash else forward + backward, axis=1))
     calls = np.array([d.call_ms for d in problem.devices], dtype=float)
     work = np.where(upper, np.maximum(per_range + calls[:, None, None], TINY_MS), np.inf)
     last_calls = np.array([d.last_call for d in problem.devices], dtype=float)
@@ -54,7 +60,7 @@ def build_tables(problem: PlanProblem) -> Tables:
     bandwidth = np.array(problem.bandwidth, dtype=float)
     np.fill_diagonal(bandwidth, np.inf)
     return Tables(units=units, devices=devices, work=work, speed=1.0 / work, last_work=last_work,
-                  unit_work=np.diff(backward if problem.stash else forward + backward, axis=1),
+                  unit_work=unit_work,
                   unit_backward=np.diff(backward, axis=1),
                   max_rank=_max_rank(problem, params, upper), params=params,
                   state_factor=2 + problem.optimizer_slots, memory=_memory(problem),
@@ -94,7 +100,7 @@ def _max_rank(problem: PlanProblem, params: np.ndarray, upper: np.ndarray) -> np
     state = params * (2 + problem.optimizer_slots)
     max_rank = np.full((devices, units + 1, units + 1), -1, dtype=np.int64)
     for rank in range(devices):
-        held = in_flight(problem.schedule, rank, problem.micro_batches)
+        held = np.array([held_on(problem, rank, d) for d in range(devices)], dtype=float)[:, None, None]
         stash = held if stashes_weights(problem, rank) else 0
         kept = inputs[:, None] + (saved if stashes_activations(problem, rank) else 0.0)
         need = state + stash * params + held * kept + peak

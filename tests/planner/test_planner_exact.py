@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -38,12 +39,13 @@ def test_a_ten_times_slower_device_is_left_unused():
     assert brute_force(uniform_problem([1, 1, 10], units=6)).bottleneck_ms == pytest.approx(8.0)
 
 
-def _instances(count: int, groups: bool, memory: bool):
+def _instances(count: int, groups: bool, memory: bool, side_by_side: bool = False):
     for seed in range(count):
         rng = random.Random(seed)
+        schedules = ["1f1b"] if side_by_side else ["gpipe", "1f1b", "async"]
         yield seed, random_problem(seed, devices=rng.randint(1, 4), units=rng.randint(1, 7), memory=memory,
-                                   allow_groups=groups, schedule=rng.choice(["gpipe", "1f1b", "async"]),
-                                   stash=seed % 3 == 0)
+                                   allow_groups=groups, schedule=rng.choice(schedules), stash=seed % 3 == 0,
+                                   side_by_side=side_by_side)
 
 
 def _same_or_both_impossible(problem):
@@ -69,6 +71,40 @@ def test_plan_matches_brute_force_without_groups(memory):
         unused += bool(found.unused_devices)
     assert checked >= 65
     assert unused >= 8  # the optimum often leaves a device out, and plan finds those too
+
+
+def test_side_by_side_costs_the_longer_direction_and_splits_the_cores():
+    # Non-last stage side by side: max(forward 1, backward 2) = 2 ms per unit, as the last stage's backward:
+    # the even cut wins (4, 4) where one after the other cut 1 did (3, 6); the 2 cores split 1 and 1.
+    placement = plan(uniform_problem([1, 1], units=4, side_by_side=True))
+    assert placement.cut_units() == [2]
+    assert [s.compute_ms for s in placement.stages] == pytest.approx([4.0, 4.0])
+    assert [(s.forward_threads, s.backward_threads) for s in placement.stages] == [((1,), (1,)), ((2,), (2,))]
+    one_after = plan(uniform_problem([1, 1], units=4))
+    assert placement.predicted_step_ms < one_after.predicted_step_ms
+    # GPipe has nothing to overlap, and a device with one core cannot run both at once: nothing changes
+    for same in (uniform_problem([1, 1], units=4, side_by_side=True, schedule="gpipe"),
+                 _with_cores(uniform_problem([1, 1], units=4, side_by_side=True), 1)):
+        assert plan(same).cut_units() == plan(replace(same, side_by_side=False)).cut_units()
+    # stashing: the backward (5 a unit) no longer recomputes the forward (1); side by side max(F, B - F) = 4
+    stashed = plan(_with_cores(uniform_problem([1, 1], units=4, side_by_side=True, stash=True, backward_ms=5.0), 4))
+    assert stashed.cut_units() == [2] and stashed.stages[0].compute_ms == pytest.approx(2 * 4.0)
+    assert stashed.stages[0].forward_threads == (1,) and stashed.stages[0].backward_threads == (3,)
+
+
+def _with_cores(problem, cores):
+    return replace(problem, devices=tuple(replace(d, cores=cores) for d in problem.devices))
+
+
+def test_plan_matches_brute_force_side_by_side():
+    checked = 0
+    for seed, problem in _instances(60, groups=False, memory=True, side_by_side=True):
+        found, expected = _same_or_both_impossible(problem)
+        if found is None:
+            continue
+        assert found.bottleneck_ms == pytest.approx(expected.bottleneck_ms, rel=1e-9), seed
+        checked += 1
+    assert checked >= 45
 
 
 def test_plan_matches_brute_force_with_groups_and_unlimited_memory():

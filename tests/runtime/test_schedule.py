@@ -57,6 +57,21 @@ def test_every_microbatch_forwarded_and_backwarded_once_and_no_deadlock(kind, st
         assert sorted(a for a in actions if a[0] == "F") == sorted(f"F{m}" for m in range(microbatches))
         assert sorted(a for a in actions if a[0] == "B") == sorted(f"B{m}" for m in range(microbatches))
     assert simulate(kind, [1.0] * stages, [2.0] * stages, microbatches) > 0
+    assert simulate(kind, [1.0] * stages, [2.0] * stages, microbatches, side_by_side=[True] * stages) > 0
+
+
+def test_forwards_side_by_side_shorten_1f1b_to_the_backwards_bound():
+    # two stages, 8 micro-batches, F = 1 and B = 3 (the backward recomputes the forward): one after the
+    # other the first stage needs 4 a micro-batch; beside each other max(F, B) = 3, the last stage's own
+    forward, backward = [1.0, 1.0], [3.0, 3.0]
+    one_after = simulate("1f1b", forward, backward, 8)
+    beside = simulate("1f1b", forward, backward, 8, side_by_side=[True, True])
+    assert one_after == 33.0 and beside == 28.0
+    assert beside >= 8 * 3.0 + 1.0 + 3.0  # every backward of a stage, after the pipeline's fill and drain
+    # the last stage has no forward to move; GPipe runs every forward before any backward; async keeps one thread
+    assert simulate("1f1b", forward, backward, 8, side_by_side=[False, True]) == one_after
+    assert simulate("gpipe", forward, backward, 8, side_by_side=[True, True]) == simulate("gpipe", forward, backward, 8)
+    assert simulate("async", forward, backward, 8, side_by_side=[True, True]) == simulate("async", forward, backward, 8)
 
 
 def test_1f1b_bounds_memory_where_gpipe_does_not():
