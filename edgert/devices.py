@@ -31,6 +31,16 @@ class BlockTiming:
 
 
 @dataclass(frozen=True)
+class ThreadScaling:
+    """The whole model's forward and backward on one device with ``threads`` ORT threads per session: how
+    each direction's time scales with threads (the planner splits a device's cores between the two by it)."""
+
+    threads: int = field(metadata=at_least(2))
+    forward_ms: float = field(metadata=at_least(0))
+    backward_ms: float = field(metadata=at_least(0))
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """A device: its measured block times, memory and cores."""
 
@@ -41,6 +51,7 @@ class DeviceProfile:
     slowdown: str = "0:1"  # emulated slowdown, when the device is an emulation
     blocks: tuple[BlockTiming, ...] = ()
     whole: BlockTiming | None = None  # the whole model as one stage: with the units, a stage's fixed cost
+    scaling: tuple[ThreadScaling, ...] = ()  # the whole model again at more threads (cores > 1; `whole` is at 1)
 
     def timing(self, block: str) -> BlockTiming | None:
         for timing in self.blocks:

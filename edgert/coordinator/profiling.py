@@ -4,8 +4,11 @@ The model is cut at every legal cut (each stage of that plan is a *unit*, the pl
 atom); each worker receives every unit in turn, then the whole model as one stage, and
 times their forward and backward through its own runtime (``POST /profile``), then times
 its link to every other worker (``POST /probe``). The whole-model time tells how much of a
-unit's time is the fixed cost of being a stage (session calls, boundary tensors). Workers
-are measured one after another, so they do not compete for a shared host's cores.
+unit's time is the fixed cost of being a stage (session calls, boundary tensors). On a device
+with more than one core the whole model is timed again at a few thread counts (2, 4, 8 ... and
+every core): how each direction scales with threads, by which the planner splits the cores of a
+stage that runs side by side. Workers are measured one after another, so they do not compete
+for a shared host's cores.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgert.coordinator.failures import health_of
-from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile
+from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, LinkProfile, ThreadScaling
 from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.source import load_source_model
@@ -113,8 +116,9 @@ async def _name(client: TensorClient, url: str) -> str:
 async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, name: str, micro_batch: int,
                          repeats: int, progress: ProgressSink = lambda _: None,
                          memory_mode: str = RunSettings.memory_mode,
-                         signing: StageSigning | None = None) -> DeviceProfile:
-    """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``)."""
+                         signing: StageSigning | None = None, scaling: bool = True) -> DeviceProfile:
+    """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``), and with
+    ``scaling`` the whole model again at more threads."""
     timings = []
     for entry, unit in zip(plans.units.stages, unit_names(plans.units)):
         meta = await _post_profile(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats,
@@ -123,17 +127,33 @@ async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, na
     meta = await _post_profile(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch,
                                repeats, memory_mode, signing)
     whole = BlockTiming(**{**meta["timing"], "block": "+".join(unit_names(plans.units))})
+    timed_at = []
+    for threads in thread_counts(int(meta["cores"])) if scaling else []:
+        timed = (await _post_profile(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch,
+                                     repeats, memory_mode, signing, threads))["timing"]
+        timed_at.append(ThreadScaling(threads, float(timed["forward_ms"]), float(timed["backward_ms"])))
     progress(f"{name}: {len(timings)} units, {whole.forward_ms + whole.backward_ms:.1f} ms per micro-batch of "
-             f"{micro_batch} for the whole model")
+             f"{micro_batch} for the whole model"
+             + "".join(f", {s.forward_ms + s.backward_ms:.1f} ms at {s.threads} threads" for s in timed_at))
     return DeviceProfile(name=name, url=url, memory_bytes=int(meta["memory_bytes"]), cores=int(meta["cores"]),
-                         slowdown=str(meta.get("slowdown", "0:1")), blocks=tuple(timings), whole=whole)
+                         slowdown=str(meta.get("slowdown", "0:1")), blocks=tuple(timings), whole=whole,
+                         scaling=tuple(timed_at))
+
+
+def thread_counts(cores: int) -> list[int]:
+    """The thread counts the whole model is timed at besides 1: the powers of two below ``cores``, and ``cores``."""
+    counts = [2 ** k for k in range(1, cores.bit_length()) if 2 ** k < cores]
+    return counts + [cores] if cores > 1 else []
 
 
 async def _post_profile(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry: StageEntry,
-                        micro_batch: int, repeats: int, memory_mode: str, signing: StageSigning | None) -> dict:
-    """``POST /profile`` one stage of ``manifest`` to the worker at ``url``; its reply's meta."""
+                        micro_batch: int, repeats: int, memory_mode: str, signing: StageSigning | None,
+                        threads: int = 1) -> dict:
+    """``POST /profile`` one stage of ``manifest`` to the worker at ``url``, its sessions with ``threads`` ORT
+    threads each; its reply's meta."""
     # a stage sent to be timed trains no run: it copies nothing (the copy intervals' defaults are a run's)
-    settings = RunSettings(training=manifest.training, memory_mode=memory_mode, replicate_every=0, central_every=0)
+    settings = RunSettings(training=manifest.training, memory_mode=memory_mode, replicate_every=0, central_every=0,
+                           forward_threads=threads, backward_threads=threads)
     assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, stages=len(manifest.stages),
                                  peers=Peers(None, None, ""), settings=settings)
     envelope = assignment.to_envelope(assignment.read_files(plan))

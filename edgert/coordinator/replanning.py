@@ -358,6 +358,7 @@ class Replanning:
                                                        replanner.training)
         plans = self._profile_plans
         profiles = [await profile_device(self._client, plans, url, name, replanner.micro_batch, QUICK_PROFILE_REPEATS,
-                                         memory_mode=replanner.memory_mode, signing=self._signing)
+                                         memory_mode=replanner.memory_mode, signing=self._signing,
+                                         scaling=replanner.side_by_side)
                     for url, name in workers.items()]
         replanner.use_profiles(profiles, tuple(unit_names(plans.units)))

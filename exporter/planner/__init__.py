@@ -6,6 +6,7 @@ Map of the package (docs/PLANNER.md):
 - ``problem.py``    :class:`PlanProblem` (:class:`Unit`, :class:`DeviceCosts`): what the planner is given, checked
 - ``costs.py``      the cost model of one stage or link (the reference)
 - ``tables.py``     the same model as numpy tables over unit ranges
+- ``threads.py``    how a direction's time scales with ORT threads; a device's cores split side by side
 - ``dp.py``         :class:`OrderDP`: the exact dynamic programme for one device order
 - ``bounds.py``     lower bounds that prune the order search
 - ``search.py``     every device order up to ``EXACT_DEVICES``, beam and local search beyond

@@ -16,6 +16,7 @@ from edgert.exporter.planner.problem import (
     stashes_activations,
     stashes_weights,
 )
+from edgert.exporter.planner.threads import split_cores
 
 Stage = tuple[int, int, tuple[int, ...]]
 TINY_MS = 1e-12  # a stage measured at 0 ms still gets a finite share of a group's work
@@ -38,11 +39,20 @@ def device_work(problem: PlanProblem, first: int, end: int, device: int, last: b
     the longer of the two (stashing: of the forward and the backward less the forward it does not redo)."""
     forward, backward = device_times(problem, first, end, device)
     if not last and side_by_side_on(problem, device):
-        own = max(forward, backward - forward if problem.stash else backward)
+        own = side_by_side_split(problem, first, end, device)[2]
     else:
         own = backward if last or problem.stash else forward + backward
     costs = problem.devices[device]
     return max(own + (costs.last_call if last else costs.call_ms), TINY_MS)
+
+
+def side_by_side_split(problem: PlanProblem, first: int, end: int, device: int) -> tuple[int, int, float]:
+    """(forward threads, backward threads, ms) of a non-last stage running side by side on ``device``: its cores
+    split so that the longer of the forward and the backward (less the forward under stash) is shortest."""
+    forward, backward = device_times(problem, first, end, device)
+    costs = problem.devices[device]
+    return split_cores(forward, backward - forward if problem.stash else backward, costs.cores,
+                       costs.forward_parallel, costs.backward_parallel)
 
 
 def shares(problem: PlanProblem, stage: Stage, last: bool) -> tuple[float, ...]:

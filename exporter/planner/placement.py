@@ -114,17 +114,12 @@ def _stage_plan(problem: PlanProblem, stage: Stage, rank: int, ms: float, last: 
 
 
 def _threads(problem: PlanProblem, first: int, end: int, device: int, last: bool) -> tuple[int, int]:
-    """(forward, backward) ORT threads: every core for both, one after the other; side by side the cores
-    split in proportion to the two directions' measured times, at least one each (how each direction's time
-    scales with threads is not measured: the planner's times stay the profiled ones)."""
-    cores = problem.devices[device].cores
+    """(forward, backward) ORT threads: every core for both, one after the other; side by side the split
+    of the cores the stage's cost was taken at (costs.side_by_side_split)."""
     if last or not side_by_side_on(problem, device):
-        return cores, cores
-    forward, backward = costs.device_times(problem, first, end, device)
-    gradients = backward - forward if problem.stash else backward
-    share = forward / (forward + gradients) if forward + gradients > 0 else 0.5
-    forward_threads = min(cores - 1, max(1, round(cores * share)))
-    return forward_threads, cores - forward_threads
+        return problem.devices[device].cores, problem.devices[device].cores
+    forward_threads, backward_threads, _ = costs.side_by_side_split(problem, first, end, device)
+    return forward_threads, backward_threads
 
 
 def _check_stages(problem: PlanProblem, stages: Sequence[Stage]) -> None:

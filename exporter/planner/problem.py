@@ -38,6 +38,9 @@ class DeviceCosts:
     cores: int = 1
     call_ms: float = 0.0  # per stage and micro-batch, whatever its units: session calls, boundary I/O
     last_call_ms: float | None = None  # the same as the last stage, which makes no forward call (None: call_ms)
+    # Amdahl's parallel fraction of each direction's time with ORT threads (threads.py; 0: unmeasured, no gain)
+    forward_parallel: float = 0.0
+    backward_parallel: float = 0.0
 
     @property
     def last_call(self) -> float:
@@ -156,6 +159,10 @@ def _check_devices(devices: Sequence[DeviceCosts], units: int) -> None:
                             f"(got {device.memory_bytes})")
         if not isinstance(device.cores, int) or device.cores < 1:
             raise PlanError(f"device {device.name!r}: cores must be a positive integer (got {device.cores!r})")
+        for name in ("forward_parallel", "backward_parallel"):
+            value = getattr(device, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise PlanError(f"device {device.name!r}: {name} must be a fraction in [0, 1] (got {value!r})")
 
 
 def _check_links(bandwidth: Sequence[Sequence[float]], rtt_ms: Sequence[Sequence[float]], devices: int) -> None:

@@ -23,6 +23,7 @@ from edgert.exporter.analyse import ModelAnalysis
 from edgert.exporter.errors import PlanError, PredictorError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.normalise import frozen_in
+from edgert.exporter.planner.threads import parallel_fraction
 from edgert.exporter.predictor.features import block_features, join_features
 from edgert.exporter.predictor.latency import LatencyPredictor
 from edgert.exporter.predictor.observations import observations_from_devices
@@ -319,7 +320,7 @@ class Replanner:
             devices.append(DeviceCosts(name=worker, forward_ms=tuple(forward), backward_ms=tuple(backward),
                                        peak_bytes=peaks, memory_bytes=profile.memory_bytes if profile else 0,
                                        cores=profile.cores if profile else 1, call_ms=call,
-                                       last_call_ms=last_call))
+                                       last_call_ms=last_call, **parallel_fractions(profile)))
         bandwidth, rtt = self._links(workers)
         slots = 2 if self.training.optimizer == "adamw" else int(bool(self.training.momentum))
         return PlanProblem(units=units, devices=tuple(devices), bandwidth=bandwidth, rtt_ms=rtt,
@@ -487,3 +488,13 @@ class Replanner:
         bounds = [0, *self.block_cuts(manifest), len(self.analysis.blocks)]
         units = [starts.get(b, len(self._units)) for b in bounds]
         return [(units[k], units[k + 1], tuple(group)) for k, group in enumerate(members)]
+
+
+def parallel_fractions(profile: DeviceProfile | None) -> dict[str, float]:
+    """Each direction's Amdahl fraction from the whole model timed at 1 thread and at more (none: 0, no gain)."""
+    if profile is None or profile.whole is None or not profile.scaling:
+        return {}
+    return {"forward_parallel": parallel_fraction(profile.whole.forward_ms,
+                                                  [(s.threads, s.forward_ms) for s in profile.scaling]),
+            "backward_parallel": parallel_fraction(profile.whole.backward_ms,
+                                                   [(s.threads, s.backward_ms) for s in profile.scaling])}

@@ -12,6 +12,7 @@ import numpy as np
 
 from edgert.exporter.planner.costs import TINY_MS
 from edgert.exporter.planner.problem import PlanProblem, held_on, side_by_side_on, stashes_activations, stashes_weights
+from edgert.exporter.planner.threads import scaled
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,8 @@ def build_tables(problem: PlanProblem) -> Tables:
     upper = np.triu(np.ones((units + 1, units + 1), dtype=bool), k=1)
     # stashing: the forward (F) plus a backward without the recomputed forward (B - F) is B
     per_range = _ranges(backward) if problem.stash else _ranges(forward) + _ranges(backward)
-    # side by side the longer of the forward and the backward: not a sum over units, but at least the backward's
-    lanes = np.array([side_by_side_on(problem, d) for d in range(devices)], dtype=bool)
-    gradients = backward - forward if problem.stash else backward
-    per_range = np.where(lanes[:, None, None], np.maximum(_ranges(forward), _ranges(gradients)), per_range)
-    unit_work = np.where(lanes[:, None], np.diff(gradients, axis=1),
-                         np.diff(backward if problem.stash else forward + backward, axis=1))
+    per_range, unit_work = _side_by_side(problem, forward, backward, per_range,
+                                         np.diff(backward if problem.stash else forward + backward, axis=1))
     calls = np.array([d.call_ms for d in problem.devices], dtype=float)
     work = np.where(upper, np.maximum(per_range + calls[:, None, None], TINY_MS), np.inf)
     last_calls = np.array([d.last_call for d in problem.devices], dtype=float)
@@ -66,6 +63,25 @@ def build_tables(problem: PlanProblem) -> Tables:
                   state_factor=2 + problem.optimizer_slots, memory=_memory(problem),
                   links=_links(problem, bandwidth), bandwidth=bandwidth,
                   allreduce_factor=2.0 * 1000.0 * problem.steps_per_microbatch())
+
+
+def _side_by_side(problem: PlanProblem, forward: np.ndarray, backward: np.ndarray, per_range: np.ndarray,
+                  unit_work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """On a device whose stages run side by side, a range costs the longer of its forward and backward at the
+    best split of the cores (costs.side_by_side_split): not a sum over units, so each unit's share of the
+    search's lower bound is its backward at the most threads the backward can get, which no split beats."""
+    per_range, unit_work = per_range.copy(), unit_work.copy()
+    gradients = backward - forward if problem.stash else backward
+    for d, costs in enumerate(problem.devices):
+        if not side_by_side_on(problem, d):
+            continue
+        forwards, backwards = _ranges(forward[d:d + 1])[0], _ranges(gradients[d:d + 1])[0]
+        splits = [np.maximum(forwards * scaled(1.0, costs.forward_parallel, f),
+                             backwards * scaled(1.0, costs.backward_parallel, costs.cores - f))
+                  for f in range(1, costs.cores)]
+        per_range[d] = np.minimum.reduce(splits)
+        unit_work[d] = np.diff(gradients[d]) * scaled(1.0, costs.backward_parallel, costs.cores - 1)
+    return per_range, unit_work
 
 
 def _prefix(rows: list) -> np.ndarray:

@@ -110,3 +110,27 @@ def test_a_plan_made_side_by_side_moves_the_cut_and_splits_the_cores_and_train_r
             for stage in side.stages]
     assert "stage 0 of run" in logs[0] and "ORT threads 1 forward, 3 backward, side by side" in logs[0]
     assert "stage 1 of run" in logs[1] and "ORT threads 4 forward, 4 backward, side by side" in logs[1]
+
+
+def test_profile_times_the_whole_model_at_more_threads_and_the_planner_fits_them(tmp_path):
+    from edgert.coordinator.profiling import profile_devices, thread_counts
+    from edgert.devices import load_devices, save_devices
+    from edgert.exporter.planner.replanner import Replanner, parallel_fractions
+    from edgert.manifest import load_manifest
+
+    assert thread_counts(1) == [] and thread_counts(2) == [2] and thread_counts(6) == [2, 4, 6]
+    save_model(build_model("mlp"), tmp_path / "mlp.onnx")
+    with LocalCluster(1) as one:
+        measured = profile_devices(tmp_path / "mlp.onnx", one.urls, repeats=2)
+    (device,) = load_devices(save_devices(measured, tmp_path / "devices.json")).devices
+    assert [s.threads for s in device.scaling] == thread_counts(device.cores)
+    assert all(s.forward_ms > 0 and s.backward_ms > 0 for s in device.scaling)
+    fractions = parallel_fractions(device)
+    assert set(fractions) == ({"forward_parallel", "backward_parallel"} if device.cores > 1 else set())
+    assert all(0.0 <= value <= 1.0 for value in fractions.values())
+    export_plan(tmp_path / "mlp.onnx", tmp_path / "plan", ExportOptions(stages=1))
+    replanner = Replanner(tmp_path / "plan", load_manifest(tmp_path / "plan"), tmp_path / "cache",
+                          devices=tmp_path / "devices.json", side_by_side=True)
+    (costs,) = replanner.problem([device.name]).devices
+    assert (costs.forward_parallel, costs.backward_parallel) == (fractions.get("forward_parallel", 0.0),
+                                                                 fractions.get("backward_parallel", 0.0))
