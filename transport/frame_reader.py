@@ -6,11 +6,13 @@ A :class:`FrameReader` cuts a connection's byte stream into messages:
   frame longer than this endpoint's Max-Message-Size is answered 4.13; both are skipped unread;
 - a request's head goes to the connection's screen before any payload byte is stored; a
   refused request (4.01, 4.03, 4.04 ...) is answered from its head and its payload skipped;
-- an accepted payload from a peer without a verified credential is received into chunks: the
-  first of :data:`FIRST_BUFFER` bytes, each next one making the room :data:`GROWTH`-fold as bytes
-  arrive, never past the declared length (a head declaring 60 MiB costs 64 KiB); the chunks are
-  joined once, when the last byte arrived. A verified peer's payload buffer is allocated whole
-  when its head arrives (docs/PROTOCOL.md section 11 has what the join costs a large payload);
+- an accepted payload from a peer without a verified credential is received into a buffer of
+  :data:`FIRST_BUFFER` bytes that grows :data:`GROWTH`-fold whenever it is full, never past the
+  declared length (a head declaring 60 MiB costs 64 KiB). The buffer is resized in place
+  (``realloc``; for large buffers the C library moves pages rather than bytes), so the payload
+  ends in one buffer without a join (where a view of it is still alive, as Python 3.10 keeps one
+  while it feeds decrypted TLS data, the grown buffer is a copy). A verified peer's payload buffer
+  is allocated whole when its head arrives;
 - with a :class:`~edgert.transport.guard.Budget` (a server's peers without a verified credential)
   every byte of buffer is charged to it; a frame that cannot be charged is answered 5.03 and skipped.
 
@@ -78,11 +80,9 @@ class _Fill:
 
     message: Message
     size: int  # the declared payload length
-    payload: bytearray = field(default_factory=bytearray)  # the chunk being received into
+    payload: bytearray = field(default_factory=bytearray)  # the buffer being received into (its room so far)
     filled: int = 0  # bytes received into ``payload``
-    full: list[bytearray] = field(default_factory=list)  # the chunks received before ``payload``
-    full_bytes: int = 0  # bytes in ``full``
-    charged: int = 0  # bytes of the chunks charged to the budget
+    charged: int = 0  # bytes of the buffer charged to the budget
 
 
 class FrameReader:
@@ -136,7 +136,7 @@ class FrameReader:
             self.feed(self._scratch[:nbytes])
             return
         fill.filled += nbytes
-        if fill.full_bytes + fill.filled == fill.size:
+        if fill.filled == fill.size:
             self._complete(fill)
 
     def feed(self, data: bytes | memoryview) -> None:
@@ -158,7 +158,7 @@ class FrameReader:
                 fill.payload[fill.filled : fill.filled + step] = view[:step]
                 fill.filled += step
                 view = view[step:]
-                if fill.full_bytes + fill.filled == fill.size and not self._complete(fill):
+                if fill.filled == fill.size and not self._complete(fill):
                     return
                 continue
             self._head += view
@@ -266,24 +266,25 @@ class FrameReader:
     # -- payloads ----------------------------------------------------------------------
 
     def _grow(self, fill: _Fill, want: int) -> bool:
-        """Start the next chunk, with room for ``want`` more bytes (room at least GROWTH-fold, at
-        most the declared size), once ``fill.payload`` is full; False (nothing changes): the budget
-        cannot pay for it."""
-        capacity = fill.full_bytes + len(fill.payload)
+        """Make room for ``want`` more bytes once ``fill.payload`` is full (room at least GROWTH-fold, at
+        most the declared size); False (nothing changes): the budget cannot pay for it."""
+        capacity = len(fill.payload)
         extra = min(fill.size, max(FIRST_BUFFER, GROWTH * capacity, capacity + want)) - capacity
         if self.budget is not None and not self.budget.charge(extra):
             return False
-        if fill.payload:
-            fill.full.append(fill.payload)
-            fill.full_bytes += fill.filled
-        fill.payload, fill.filled = bytearray(extra), 0
+        try:
+            fill.payload.extend(bytes(extra))  # in place: the bytes received so far are not copied
+        except BufferError:  # a view of it is still alive (Python 3.10 feeding TLS data): a bigger copy
+            grown = bytearray(capacity + extra)
+            grown[:capacity] = fill.payload
+            fill.payload = grown
         fill.charged += extra
         return True
 
     def _abandon(self, fill: _Fill) -> bool:
         """Stop receiving a payload the budget cannot hold: skip its remaining bytes and refuse it."""
         self._fill = None
-        self._discard = fill.size - fill.full_bytes - fill.filled
+        self._discard = fill.size - fill.filled
         return self._refuse_payload(fill)
 
     def _refuse_payload(self, fill: _Fill) -> bool:
@@ -305,7 +306,7 @@ class FrameReader:
     def _complete(self, fill: _Fill) -> bool:
         self._fill = None
         self._release(fill)
-        fill.message.payload = bytearray().join([*fill.full, fill.payload]) if fill.full else fill.payload
+        fill.message.payload = fill.payload
         return self._sink.deliver(fill.message)
 
     def _release(self, fill: _Fill) -> None:
