@@ -99,10 +99,10 @@ class ForwardLane:
                 except Exception as error:  # noqa: BLE001 - raised in the executor's thread
                     failure = error
             with self._condition:
-                self._busy = False
-                self._finished.add(key)
                 if failure is not None and self.failure is None:
                     self.failure = failure
+                    # under the lock: a reset waiting for the lane to go idle then clears what this sets
+                    self._on_failure(failure)
+                self._busy = False
+                self._finished.add(key)
                 self._condition.notify_all()
-            if failure is not None:
-                self._on_failure(failure)

@@ -1,6 +1,7 @@
 """Stage executors wired together in one process: schedules compute what the chain computes."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model
 from edgert.schedule import MicroBatch, Window, split_batch
 from edgert.stage import StageSession
+from edgert.worker.errors import InboxTimeout
 from edgert.worker.executor import StageExecutor
 from edgert.worker.inbox import Inbox
 
@@ -245,3 +247,27 @@ def test_an_emulated_slowdown_times_a_group_members_calls_by_its_own_rows(tmp_pa
     timed = set(executor.slowdown._warm)
     assert {(Computation.FORWARD, 2), (Computation.BACKWARD, 2)} <= timed
     assert not [call for call in timed if isinstance(call, tuple) and call[1] == 8], timed
+
+
+def test_abandoning_a_window_wakes_a_forward_waiting_for_its_input_and_the_next_window_runs(tmp_path):
+    plan = make_plan(tmp_path, "mlp", stages=2)
+    manifest = load_manifest(plan)
+    session = StageSession(manifest.stages[0], plan, manifest.training)
+    inbox, sent = Inbox(), []
+    executor = StageExecutor(session, 0, inbox, lambda key, tensors: sent.append(key), lambda key, tensors: None,
+                             wait_timeout=30, side_by_side=True)
+    x, grad = np.ones((4, 64), np.float32), "/fc1/Relu_output_0"
+    first = Window("1f1b", 2, tuple(split_batch(0, 8, 2)))
+    inbox.put(("act", 0, 0), {"input": x})  # micro-batch 1's input never comes: its forward waits in the lane
+    inbox.put(("grad", 0, 0), {grad: np.ones((4, 7), np.float32)})  # and micro-batch 0's gradient is malformed
+    with pytest.raises(Exception, match="grad"):
+        executor.run_window(first)
+    executor.reset()  # wakes the waiting forward, and leaves nothing behind that fails the next window
+    time.sleep(0.2)
+    with pytest.raises(InboxTimeout):  # a wait waits again (not interrupted by the abandoned window)
+        inbox.take(("act", 9, 0), timeout=0.05)
+    second = Window("1f1b", 2, tuple(split_batch(1, 8, 2)))
+    for m in second.microbatches:
+        inbox.put(("act", 1, m.index), {"input": x})
+        inbox.put(("grad", 1, m.index), {grad: np.ones((4, 128), np.float32)})
+    assert [r.step for r in executor.run_window(second)] == [1] and sent[-2:] == [(1, 0), (1, 1)]
