@@ -12,11 +12,13 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``server.py``       :class:`TensorServer`: resources, ``/.well-known/core``, TCP screening, OSCORE/TLS refusals
 - ``endpoint.py``     one served path: head checks (method, role, Content-Format), size, envelope, handler
 - ``urls.py``         :func:`parse_url`, :func:`format_url`: the one parser of the URLs edgert takes
-- ``client.py``       :class:`TensorClient` (async), :class:`SyncClient` (threads), :class:`ClientConfig`
+- ``client.py``       :class:`TensorClient` (async, and ``submit`` from any thread), :class:`ClientConfig`
+- ``sync_client.py``  :class:`SyncClient`: a blocking client for threads, over a TensorClient on another loop
 - ``submission.py``   :class:`Submission`: a request handed over from another thread with no task (the tensor path)
 - ``observe.py``      RFC 7641: :class:`Observation` (client side), :class:`Observable` (server side)
 - ``linkformat.py``   RFC 6690 link format: :class:`Link`, render, parse
 - ``coap_tcp.py``     CoAP over TCP with negotiated large messages (aiocoap transport subclass), ``DEFAULT_PORT``
+- ``coap_tcp_pool.py`` its listening and connecting sides: the server (port 0, the guard), the client pool
 - ``frame_reader.py`` receiving RFC 8323 frames: heads screened first, buffers that grow with the bytes
 - ``framing.py``      RFC 8323 framing at the byte level (frame length, options, frame head)
 - ``guard.py``        what peers can make a server hold: connection cap, unverified-bytes budget, timeouts
@@ -28,7 +30,7 @@ Map of the package (wire format: docs/PROTOCOL.md):
 Of ``edgert`` it imports only ``edgert.errors``.
 """
 
-from edgert.transport.client import ClientConfig, SyncClient, TensorClient
+from edgert.transport.client import ClientConfig, TensorClient
 from edgert.transport.codec import Codec, get_codec
 from edgert.transport.envelope import (
     CONTENT_FORMAT,
@@ -57,6 +59,7 @@ from edgert.transport.linkformat import Link
 from edgert.transport.message import Request, Response
 from edgert.transport.observe import Observable, Observation
 from edgert.transport.server import TensorServer
+from edgert.transport.sync_client import SyncClient
 from edgert.transport.tensor import DTYPES, decode_tensor, encode_tensor
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The client side: requests with explicit timeouts and retries, observe, discovery, a thread wrapper.
+"""The client side: requests with explicit timeouts and retries, observe, discovery, sends from other threads.
 
 :class:`TensorClient` runs on an asyncio loop and keeps one aiocoap context with
 a CoAP-over-TCP pool (one connection per peer, reused) and a UDP endpoint::
@@ -25,8 +25,9 @@ travels as one message (see docs/PROTOCOL.md, "Large messages"). Over TCP an
 envelope's tensor data goes to the socket straight from the arrays (no encode
 copy), so leave them unchanged until the request returns; a retry re-reads them.
 
-:class:`SyncClient` gives worker threads (ORT compute) a blocking API over a
-client that lives on a loop in another thread.
+:meth:`TensorClient.submit` sends from another thread without waiting (the tensor path,
+:mod:`~edgert.transport.submission`); :class:`~edgert.transport.sync_client.SyncClient` gives
+threads a blocking API over a client that lives on a loop in another thread.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ssl
-import threading
 import urllib.parse
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import aiocoap
 import aiocoap.util
@@ -52,7 +52,7 @@ from aiocoap.protocol import BlockwiseRequest
 from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
-from edgert.transport import coap_tcp, deadline, linkformat
+from edgert.transport import coap_tcp, coap_tcp_pool, deadline, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, encode_envelope_parts
 from edgert.transport.errors import RETRIED_CODES, MalformedMessage, PeerUnreachable, RequestTimeout
@@ -69,7 +69,6 @@ from edgert.transport.urls import format_url, parse_url
 Payload = Envelope | bytes | bytearray | memoryview | None
 """A request body: an envelope (encoded here) or raw bytes; tensors and memoryviews are referenced, not copied."""
 Body = tuple[coap_tcp.Buffer, ...]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -119,8 +118,8 @@ class TensorClient:
         self.limits = limits
         self.tls = tls
         self._context: aiocoap.Context | None = None
-        self._tcp: coap_tcp.LargeTCPClient | None = None
-        self._tls_tcp: coap_tcp.LargeTCPClient | None = None
+        self._tcp: coap_tcp_pool.LargeTCPClient | None = None
+        self._tls_tcp: coap_tcp_pool.LargeTCPClient | None = None
         self._targets: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self._udp_remotes: dict[str, Any] = {}
         self._udp_names: dict[str, str] = {}  # hostinfo -> device name from coap://NAME@host:port (OSCORE)
@@ -144,11 +143,11 @@ class TensorClient:
     async def _create_context(self) -> None:
         loop = asyncio.get_running_loop()
         context = aiocoap.Context(loop=loop, loggername="coap")
-        tcp = await coap_tcp.add_tcp_client(context, max_message_size=self.limits.tcp_max_message_size)
+        tcp = await coap_tcp_pool.add_tcp_client(context, max_message_size=self.limits.tcp_max_message_size)
         tcp.csm_timeout = self.config.connect_timeout
         self._tcp = tcp
         if self.tls is not None:
-            tls = await coap_tcp.add_tcp_client(context, max_message_size=self.limits.tcp_max_message_size,
+            tls = await coap_tcp_pool.add_tcp_client(context, max_message_size=self.limits.tcp_max_message_size,
                                                 ssl_context=self.tls.client_context)
             tls.csm_timeout = self.config.connect_timeout
             tls.check_peer = self.tls.check
@@ -353,7 +352,7 @@ class TensorClient:
                                       f"it with --insecure for plaintext)") from None
             raise
 
-    def _pool(self, scheme: str) -> coap_tcp.LargeTCPClient:
+    def _pool(self, scheme: str) -> coap_tcp_pool.LargeTCPClient:
         if scheme == TLS_SCHEME:
             if self._tls_tcp is None:
                 raise PeerUnreachable(f"{TLS_SCHEME}:// needs TLS credentials: "
@@ -434,84 +433,6 @@ class TensorClient:
     def observe(self, url: str, path: str, *, timeout: float | None = None) -> Observation:
         """Observe (RFC 7641) ``url``/``path``: an async iterator of responses, first the current state."""
         return Observation(self, url, path, self.config.timeout if timeout is None else timeout)
-
-
-class SyncClient:
-    """A blocking facade over a :class:`TensorClient` on an event loop in another thread.
-
-    ``SyncClient.start()`` runs its own loop thread; ``SyncClient(client, loop)``
-    wraps a client whose loop already runs elsewhere (the runtime's transport
-    loop). Calls must not come from that loop's own thread.
-    """
-
-    def __init__(self, client: TensorClient, loop: asyncio.AbstractEventLoop,
-                 thread: threading.Thread | None = None) -> None:
-        self.client = client
-        self.loop = loop
-        self._thread = thread
-
-    @classmethod
-    def start(cls, config: ClientConfig = ClientConfig(), limits: Limits = DEFAULT_LIMITS,
-              tls: TlsCredentials | None = None) -> SyncClient:
-        """A client on a fresh loop in a daemon thread; call :meth:`close` when done."""
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="edgert-transport", daemon=True)
-        thread.start()
-        client = TensorClient(config, limits, tls=tls)
-        sync = cls(client, loop, thread)
-        sync.call(client.start())
-        return sync
-
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the client's loop and wait for it; exceptions re-raise here."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop:
-            raise RuntimeError("SyncClient called on its own event loop (it would deadlock); await the TensorClient")
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def request(self, method: str, url: str, path: str = "", payload: Payload = None, **kwargs: Any) -> Response:
-        """Blocking :meth:`TensorClient.request`."""
-        return self.call(self.client.request(method, url, path, payload, **kwargs))
-
-    def get(self, url: str, path: str = "", **kwargs: Any) -> Response:
-        """Blocking :meth:`TensorClient.get`."""
-        return self.call(self.client.get(url, path, **kwargs))
-
-    def post(self, url: str, path: str = "", payload: Payload = None, **kwargs: Any) -> Response:
-        """Blocking :meth:`TensorClient.post`."""
-        return self.call(self.client.post(url, path, payload, **kwargs))
-
-    def send(self, url: str, path: str, envelope: Envelope, **kwargs: Any) -> Response:
-        """Blocking :meth:`TensorClient.send`."""
-        return self.call(self.client.send(url, path, envelope, **kwargs))
-
-    def fetch(self, url: str, path: str, **kwargs: Any) -> Envelope:
-        """Blocking :meth:`TensorClient.fetch`."""
-        return self.call(self.client.fetch(url, path, **kwargs))
-
-    def discover(self, url: str, **filters: str) -> list[linkformat.Link]:
-        """Blocking :meth:`TensorClient.discover`."""
-        return self.call(self.client.discover(url, **filters))
-
-    def close(self) -> None:
-        """Close the client; stop the loop thread if this object started it."""
-        try:
-            self.call(self.client.close())
-        finally:
-            if self._thread is not None:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self._thread.join(timeout=5)
-                self.loop.close()
-                self._thread = None
-
-    def __enter__(self) -> SyncClient:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
 
 async def _speaks_tls(host: str, port: int, timeout: float) -> bool:

@@ -42,7 +42,7 @@ from aiocoap.numbers.codes import Code
 from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
-from edgert.transport import coap_tcp, linkformat
+from edgert.transport import coap_tcp, coap_tcp_pool, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.endpoint import Endpoint, Handler, HandlerResult, ObservableEndpoint, peer_name
 from edgert.transport.errors import (
@@ -164,7 +164,7 @@ class TensorServer:
         try:
             for scheme, host, port in self._binds:
                 if scheme in ("coap+tcp", TLS_SCHEME):
-                    server = await coap_tcp.add_tcp_server(
+                    server = await coap_tcp_pool.add_tcp_server(
                         context, host, port, limits=self.limits, guard=self._guard,
                         fast_server=self._fast_dispatch, screen=self._screen, trust=trust,
                         ssl_context=self.tls.server_context if scheme == TLS_SCHEME else None)
