@@ -77,41 +77,37 @@ def batches(seed, count, batch, shape=(1, 8, 8)):
             for _ in range(count)]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_synchronous_schedules_equal_the_chain(tmp_path, schedule):
-    plan = make_plan(tmp_path)
-    pipeline, chain = ThreadedPipeline(plan), StageChain(plan)
-    for step, (x, y) in enumerate(batches(0, 5, 12)):
-        micro = split_batch(step, len(x), 4)
+def assert_trains_as_the_chain(pipeline, chain, schedule, data, micro_batches):
+    """Train ``pipeline`` and the single-process ``chain`` on ``data``, batch by batch: each step's loss, then the
+    parameters, agree."""
+    stages = len(pipeline.executors)
+    for step, (x, y) in enumerate(data):
+        micro = split_batch(step, len(x), micro_batches)
         inputs = {m.key: {"input": x[sum(b.size for b in micro[:m.index]):][:m.size]} for m in micro}
         labels = {m.key: {"labels": y[sum(b.size for b in micro[:m.index]):][:m.size]} for m in micro}
-        reports = pipeline.run(Window(schedule, 3, tuple(micro)), inputs, labels)
-        chain_loss = chain.train_batch({"input": x}, {"labels": y}, micro_batches=4).loss
+        reports = pipeline.run(Window(schedule, stages, tuple(micro)), inputs, labels)
+        chain_loss = chain.train_batch({"input": x}, {"labels": y}, micro_batches=micro_batches).loss
         chain.step()
-        last = reports[2][0]
-        assert last.samples == 12
+        last = reports[stages - 1][0]
+        assert last.samples == len(x)
         assert last.loss_sum / last.samples == pytest.approx(chain_loss, rel=1e-5)
     expected = chain.parameters()
     for name, value in pipeline.parameters().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_synchronous_schedules_equal_the_chain(tmp_path, schedule):
+    plan = make_plan(tmp_path)
+    assert_trains_as_the_chain(ThreadedPipeline(plan), StageChain(plan), schedule, batches(0, 5, 12), 4)
+
+
 @pytest.mark.parametrize("schedule,memory_mode", [("gpipe", "recompute"), ("1f1b", "recompute"), ("1f1b", "stash")])
 def test_forwards_side_by_side_with_the_backwards_equal_the_chain(tmp_path, schedule, memory_mode):
     plan = make_plan(tmp_path, "mlp", stages=3)
-    pipeline, chain = ThreadedPipeline(plan, side_by_side=True, memory_mode=memory_mode), StageChain(plan)
+    pipeline = ThreadedPipeline(plan, side_by_side=True, memory_mode=memory_mode)
     assert [e._lane is not None for e in pipeline.executors] == [True, True, False]  # the last has no forward
-    for step, (x, y) in enumerate(batches(1, 4, 16, shape=(64,))):
-        micro = split_batch(step, len(x), 8)
-        inputs = {m.key: {"input": x[sum(b.size for b in micro[:m.index]):][:m.size]} for m in micro}
-        labels = {m.key: {"labels": y[sum(b.size for b in micro[:m.index]):][:m.size]} for m in micro}
-        reports = pipeline.run(Window(schedule, 3, tuple(micro)), inputs, labels)
-        chain_loss = chain.train_batch({"input": x}, {"labels": y}, micro_batches=8).loss
-        chain.step()
-        assert reports[2][0].loss_sum / reports[2][0].samples == pytest.approx(chain_loss, rel=1e-5)
-    expected = chain.parameters()
-    for name, value in pipeline.parameters().items():
-        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_trains_as_the_chain(pipeline, StageChain(plan), schedule, batches(1, 4, 16, shape=(64,)), 8)
 
 
 def test_a_stage_whose_forward_updates_running_statistics_keeps_one_thread(tmp_path):
