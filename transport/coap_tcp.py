@@ -254,10 +254,8 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         """Fast path without a future (loop thread only): write a request frame whose ``head`` (with
         ``token``, from :func:`fast_token`) was built elsewhere; ``settle`` gets its response or the
         connection's loss. Raises :class:`aiocoap.error.NetworkError` if the connection is closed."""
-        if self._transport is None or self._transport.is_closing():
-            raise coap_error.NetworkError(f"connection to {self.hostinfo} is closed")
-        self._pending[token] = settle
         self._write_frame(head, parts, sum(map(len, parts)))
+        self._pending[token] = settle  # the response is parsed on this loop: it cannot come before this
 
     def forget_request(self, token: bytes) -> None:
         """Stop waiting for the response to ``token`` (its sender gave up)."""
@@ -271,14 +269,15 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         Small pieces are joined; each large one is written by reference, so the only
         copy is the socket's (or asyncio's write buffer's, for what the socket does not take at once).
         """
-        if self._transport is None or self._transport.is_closing():
-            raise coap_error.NetworkError(f"connection to {self.hostinfo} is closed")
         if parts is None:
             parts = (msg.payload,) if msg.payload else ()
         size = sum(map(len, parts))
         self._write_frame(serialize_head(msg, size), parts, size)
 
     def _write_frame(self, head: bytes, parts: Sequence[Buffer], size: int) -> None:
+        """Write a frame's ``head`` and payload ``parts``; raises NetworkError if the connection is closed."""
+        if self._transport is None or self._transport.is_closing():
+            raise coap_error.NetworkError(f"connection to {self.hostinfo} is closed")
         write = self._transport.write
         if size < _SPLIT_WRITE:
             write(b"".join((head, *parts)))
