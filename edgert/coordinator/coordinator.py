@@ -40,7 +40,7 @@ from edgert.coordinator.segments import SegmentRunner, next_segment
 from edgert.coordinator.snapshots import CentralCopies
 from edgert.coordinator.stage_groups import check_splittable, groups_record, place_workers, planned_shares
 from edgert.errors import EdgertError
-from edgert.exporter.device_plan import load_placement
+from edgert.exporter.device_plan import PlannedPlacement, load_placement
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, TrainingConfig, load_manifest
 from edgert.protocol import REPORT, STOP, Health
 from edgert.run_settings import RunSettings
@@ -109,12 +109,12 @@ class TrainConfig:
 
     def runs_side_by_side(self, plan_dir: Path) -> bool:
         """Whether the stages run their forwards beside their backwards (re-plans are costed so)."""
-        return bool(self.side_by_side) or self.plans_side_by_side(plan_dir)
+        return bool(self.side_by_side) or self.plans_side_by_side(load_placement(plan_dir))
 
-    def plans_side_by_side(self, plan_dir: Path) -> bool:
-        """Whether the stages run side by side because the plan was made so (``placement.json``; neither
+    def plans_side_by_side(self, placement: PlannedPlacement | None) -> bool:
+        """Whether the stages run side by side because the plan was made so (its ``placement.json``; neither
         ``--side-by-side`` nor ``--one-after-the-other`` given): each worker then with its planned threads."""
-        return self.side_by_side is None and bool(getattr(load_placement(plan_dir), "side_by_side", False))
+        return self.side_by_side is None and placement is not None and placement.side_by_side
 
     def planned_codecs(self) -> tuple[str, ...]:
         """The directions whose codec each link takes from the plan: those not given on the command line."""
@@ -310,13 +310,14 @@ class Coordinator:
         """What every stage assignment of this run carries."""
         scheme, _, port = parse_url(self.server.urls[0])
         host = self.config.advertise or _local_address_towards(self.config.workers[0])
-        planned = self.config.plans_side_by_side(self.state.plan_dir)
+        placement = load_placement(self.state.plan_dir)
+        planned = self.config.plans_side_by_side(placement)
         self.state.settings = RunBriefing(
             run_id=self.run_id, coordinator_url=f"{scheme}://{host}:{port}",
             settings=self.config.run_settings(self.state.manifest.training, planned), replicas=self.config.replicas,
             signing=None if self.security is None else self.security.signing,
             planned_codecs=self.config.planned_codecs(),
-            threads=load_placement(self.state.plan_dir).threads() if planned else {})
+            threads=placement.threads() if planned else {})
 
     async def _assign_stages(self) -> None:
         self._prepare_settings()
