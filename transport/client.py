@@ -205,6 +205,13 @@ class TensorClient:
         code = _method_code(method)
         body, content_format = _body(payload, codec, content_format)
         timeout, retries = self._attempt_limits(timeout, retries)
+        if not query and self._loop is asyncio.get_running_loop():
+            lean = self._lean_head(code, url, path, content_format, sum(map(len, body)))
+            if lean is not None:  # as a submission, without the attempts' coroutines and message objects
+                submission = Submission(self, Attempts(code, url, path, body, content_format, timeout, retries,
+                                                       raise_for_status), self._loop.create_future())
+                submission.go_lean(*lean)
+                return await submission.future
         uri_query = tuple(f"{k}={v}" for k, v in (query or {}).items())
         return await self._attempts(code, url, path, body, content_format, uri_query, timeout, retries,
                                     raise_for_status)

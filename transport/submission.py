@@ -1,10 +1,11 @@
-"""Requests handed over from another thread with no task: the tensor path's send.
+"""Requests sent with no task or per-request objects over an open connection: the tensor path.
 
 :meth:`TensorClient.submit <edgert.transport.client.TensorClient.submit>` builds a request's frame in
 the calling thread (a worker's compute thread) and hands it to the transport loop in one callback,
 which writes it on the pooled connection; the response settles a ``concurrent.futures.Future``
 straight from the protocol callback that parsed it. No coroutine, task or timeout context per
-request: a timer bounds the wait. Only that first attempt is lean. A 5.03, a lost connection, a
+request: a timer bounds the wait. :meth:`TensorClient.request` sends the same way from its own loop,
+awaiting an asyncio future instead. Only that first attempt is lean. A 5.03, a lost connection, a
 timeout or a first contact go on as :meth:`TensorClient.request`'s attempts, with the same timeouts,
 retries and errors; a response with more Block2 blocks is completed the same way.
 """
@@ -21,7 +22,7 @@ from aiocoap import Message
 from aiocoap import error as coap_error
 from aiocoap.numbers.codes import Code
 
-from edgert.transport.errors import RETRIED_CODES, ResponseError
+from edgert.transport.errors import RETRIED_CODES, PeerUnreachable, ResponseError
 from edgert.transport.framing import Buffer
 from edgert.transport.message import Response
 
@@ -41,17 +42,26 @@ class Attempts:
     content_format: int | None
     timeout: float
     retries: int
+    raise_for_status: bool = True
+    """Whether an error code is raised (else returned as the response)."""
 
 
 class Submission:
-    """One submitted request: its future, and on the loop its lean attempt or the task that goes on."""
+    """One request: its future, and on the loop its lean attempt or the task that goes on.
+
+    The future is a ``concurrent.futures.Future`` (submitted from another thread) or, given one, an
+    asyncio future of the client's loop (awaited there by :meth:`TensorClient.request`).
+    """
 
     __slots__ = ("_client", "_attempts", "future", "_connection", "_token", "_timer", "_task")
 
-    def __init__(self, client: TensorClient, attempts: Attempts) -> None:
+    def __init__(self, client: TensorClient, attempts: Attempts, future: asyncio.Future | None = None) -> None:
         self._client = client
         self._attempts = attempts
-        self.future: concurrent.futures.Future[Response] = concurrent.futures.Future()
+        self.future: concurrent.futures.Future[Response] | asyncio.Future[Response] = (
+            concurrent.futures.Future() if future is None else future)
+        if future is not None:  # its awaiting task was cancelled: stop waiting for the response too
+            future.add_done_callback(self._abandoned)
         self._connection: LargeTcpConnection | None = None
         self._token = b""
         self._timer: asyncio.TimerHandle | None = None
@@ -78,12 +88,26 @@ class Submission:
             self._go_on(0)
 
     def cancel(self) -> asyncio.Task | None:
-        """Stop: no response is waited for, no attempt follows; returns the task still to await, if any."""
+        """Stop: no response is waited for, no attempt follows; returns the task still to await, if any.
+
+        A submitted future ends cancelled; an awaited one raises PeerUnreachable (its client closed).
+        """
         self._stop_waiting()
-        self.future.cancel()
+        if isinstance(self.future, asyncio.Future):
+            _set(self.future, exception=PeerUnreachable(
+                f"{self._attempts.code.name} {self._attempts.url}/{self._attempts.path.strip('/')}: "
+                f"the client closed"))
+        else:
+            self.future.cancel()
         if self._task is not None:
             self._task.cancel()
         return self._task
+
+    def _abandoned(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            self._stop_waiting()
+            if self._task is not None:
+                self._task.cancel()
 
     def _settle(self, outcome: Message | Exception) -> None:
         self._stop_waiting()
@@ -121,7 +145,7 @@ class Submission:
     def _go_on(self, first: int) -> None:
         a = self._attempts
         self._run(self._client._attempts(a.code, a.url, a.path, a.body, a.content_format, (), a.timeout,
-                                         a.retries, first=first), checked=True)
+                                         a.retries, a.raise_for_status, first=first), checked=True)
 
     def _run(self, attempts: Coroutine[Any, Any, Response], checked: bool) -> None:
         """Settle the future from a task running ``attempts`` (``checked``: it raises error codes itself)."""
@@ -144,6 +168,9 @@ class Submission:
         task.add_done_callback(done)
 
     def _resolve(self, response: Response) -> None:
+        if not self._attempts.raise_for_status:
+            _set(self.future, result=response)
+            return
         try:
             _set(self.future, result=response.raise_for_status())
         except ResponseError as error:
@@ -162,12 +189,13 @@ def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
         pass
 
 
-def _set(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> None:
-    """Settle ``future`` unless its owner cancelled it meanwhile (from another thread)."""
+def _set(future: concurrent.futures.Future | asyncio.Future, *, result: Any = None,
+         exception: BaseException | None = None) -> None:
+    """Settle ``future`` unless its owner cancelled it meanwhile (from another thread, or its task)."""
     try:
         if exception is not None:
             future.set_exception(exception)
         else:
             future.set_result(result)
-    except concurrent.futures.InvalidStateError:
+    except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
         pass

@@ -1,5 +1,6 @@
-"""The tensor path: requests submitted from another thread without a task, answered by plain handlers
-from the protocol callback; every way a request can fail ends its future as ``request`` would."""
+"""The tensor path: requests submitted from another thread (or awaited on the client's loop) without a
+task, answered by plain handlers from the protocol callback; every way a request can fail ends it as
+the attempts' path would."""
 
 import asyncio
 import threading
@@ -194,3 +195,55 @@ def test_a_large_response_to_a_submission_is_completed_with_block2():
 def test_submitting_before_the_client_started_is_refused():
     with pytest.raises(RuntimeError, match="start the client on its loop before submitting"):
         TensorClient().submit("POST", "coap+tcp://127.0.0.1:9", "act", b"x")
+
+
+def test_awaited_requests_over_an_open_connection_go_lean_with_the_same_outcomes(peers):
+    client, url = peers.client, peers.url
+
+    async def calls():
+        assert (await client.send(url, "act", _activations(0))).code == Code.CHANGED  # first contact
+        for index in range(1, 20):
+            assert (await client.send(url, "act", _activations(index))).code == Code.CHANGED
+        assert peers.slow_paths == 1
+        back = (await client.send(url, "echo", _activations(5, rows=2))).envelope()
+        assert back.microbatch == 5 and np.array_equal(back.tensors["x"], np.full((2, 8), 5, np.float32))
+        with pytest.raises(NotFound, match="no resource at /nowhere"):
+            await client.post(url, "nowhere", b"x")
+        missing = await client.post(url, "nowhere", b"x", raise_for_status=False)
+        assert missing.code == Code.NOT_FOUND and not missing.ok
+        assert peers.slow_paths == 1
+        assert (await client.post(url, "busy", b"c:2")).payload == b"taken" and peers.attempts["c"] == 3
+        with pytest.raises(RequestTimeout, match=r"POST .*/hang: no response within 0.2 s \(attempt 2 of 2\)"):
+            await client.post(url, "hang", b"x", timeout=0.2, retries=1)
+        slow = peers.slow_paths
+        await client.post(url, "echo", _activations(1), query={"q": "1"})  # Uri-Query: the attempts' path
+        assert peers.slow_paths == slow + 1
+        assert not client.submissions
+
+    _run(calls(), peers.client_loop)
+    assert sorted(index for index, _ in peers.seen) == list(range(20))
+
+
+def test_a_cancelled_awaited_request_stops_waiting_and_a_closing_client_fails_the_rest(peers):
+    client, url = peers.client, peers.url
+    _run(client.send(url, "act", _activations(0)), peers.client_loop)
+
+    async def cancel_one():
+        waiting = asyncio.ensure_future(client.post(url, "hang", b"x", timeout=20, retries=3))
+        while not peers.attempts.get("hang"):
+            await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)  # the future's done callbacks
+        assert not client.submissions
+        assert not any(connection._pending for connection in client._tcp._pool.values())
+
+    _run(cancel_one(), peers.client_loop)
+    left = asyncio.run_coroutine_threadsafe(client.post(url, "hang", b"x", timeout=20), peers.client_loop)
+    while peers.attempts["hang"] < 2:
+        threading.Event().wait(0.01)
+    _run(client.close(), peers.client_loop)
+    with pytest.raises(PeerUnreachable, match=r"POST .*/hang: the client closed"):
+        left.result(10)
+    assert peers.attempts["hang"] == 2
