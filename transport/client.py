@@ -224,6 +224,7 @@ class TensorClient:
 
         Over an open pooled TCP connection, a payload that fits the peer's Max-Message-Size goes out
         without a coroutine or a task (:mod:`~edgert.transport.submission`): the tensor path's send.
+        A small frame over plaintext TCP is written from the calling thread itself.
         Anything else takes :meth:`request`'s path; timeouts, retries and errors are the same.
         """
         if self._loop is None:
@@ -235,6 +236,8 @@ class TensorClient:
         lean = self._lean_head(code, url, path, content_format, sum(map(len, body)))
         if lean is None:
             self._loop.call_soon_threadsafe(submission.go_slow)
+        elif lean[0].write_from_thread(lean[1], lean[2], body, submission.settle):
+            self._loop.call_soon_threadsafe(submission.went_out, lean[0], lean[1])  # the wait's timer; not urgent
         else:
             self._loop.call_soon_threadsafe(submission.go_lean, *lean)
         return submission.future

@@ -28,8 +28,11 @@ cannot bind port 0 and binds with SO_REUSEPORT. This module subclasses it to:
   bytes starting with 0xED, disjoint from aiocoap's short counter tokens, so both
   paths share one connection. :meth:`LargeTcpConnection.send_request` is that path
   without a future: a frame built elsewhere (another thread, see
-  :mod:`~edgert.transport.submission`) and a callback for its response. Everything
-  else (observations, BERT, UDP) still goes through aiocoap.
+  :mod:`~edgert.transport.submission`) and a callback for its response, and
+  :meth:`LargeTcpConnection.write_from_thread` writes such a frame from the thread that
+  built it, without waking the loop (plaintext only; every write holds the connection's
+  write lock, so frames never interleave). Everything else (observations, BERT, UDP)
+  still goes through aiocoap.
 
 aiocoap internals this package relies on (pin aiocoap to ``>=0.4.17,<0.5``; the
 tests in ``tests/transport/test_coap_tcp_framing.py`` and ``test_coap_endpoints.py``
@@ -53,6 +56,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import socket
+import threading
 from collections.abc import Callable, Sequence
 
 from aiocoap import Message
@@ -70,6 +75,9 @@ _SPLIT_WRITE = 64 * 1024
 
 #: Large payloads go to a TLS transport in slices of this size (encryption overlaps sending).
 _TLS_SLICE = 256 * 1024
+
+#: Frames up to this size may be written from the thread that built them (larger ones go through the loop).
+THREAD_WRITE_BYTES = 64 * 1024
 
 #: The port edgert servers listen on, and what a URL without a port means, for every scheme.
 #: (Not CoAP's registered 5683/5684, which other CoAP stacks assume: give them the port.)
@@ -137,10 +145,17 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self.pinged_at = 0.0
         """Loop time of the last Ping sent for silence (see :class:`~edgert.transport.guard.ConnectionGuard`)."""
         self._tls = False
+        self._write_lock = threading.Lock()  # held by every write: the loop's and other threads'
+        self._socket: socket.socket | None = None  # a duplicate of the plaintext socket, for write_from_thread
+        self._handoff: list[bytes | memoryview] | None = None  # what the loop must write before anything else
 
     def connection_made(self, transport) -> None:
         self.peer = peer_identity(transport)
         self._tls = transport.get_extra_info("ssl_object") is not None
+        raw = transport.get_extra_info("socket")
+        if not self._tls and raw is not None:
+            self._socket = raw.dup()  # the same stream (a duplicate descriptor), usable outside asyncio
+            self._socket.setblocking(False)
         self.verified = self.peer is not None and (self._trust is None or self._trust(self.peer))
         self.reader.trusted = self.verified
         refusal = None
@@ -257,6 +272,39 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self._write_frame(head, parts, sum(map(len, parts)))
         self._pending[token] = settle  # the response is parsed on this loop: it cannot come before this
 
+    def write_from_thread(self, token: bytes, head: bytes, parts: Sequence[Buffer], settle: Settle) -> bool:
+        """:meth:`send_request` from any thread, without waking the loop: the frame goes to the socket now.
+
+        False (nothing written, nothing registered): the loop must write it (TLS, a large frame, a
+        closing connection, bytes already queued). A frame the socket takes only in part is finished
+        by the loop before any other write.
+        """
+        size = len(head) + sum(map(len, parts))
+        if self._socket is None or size > THREAD_WRITE_BYTES:
+            return False
+        with self._write_lock:
+            transport = self._transport
+            if (transport is None or transport.is_closing() or self._socket is None or self._handoff is not None
+                    or transport.get_write_buffer_size()):
+                return False
+            data = b"".join((head, *parts))
+            self._pending[token] = settle  # before the write: the response may be parsed at once
+            try:
+                sent = self._socket.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._pending.pop(token, None)
+                return False  # the loop's own write meets the error and closes the connection
+            if sent < len(data):
+                self._handoff = [memoryview(data)[sent:]]
+                self.loop.call_soon_threadsafe(self._write_handoff)
+        return True
+
+    def awaits(self, token: bytes) -> bool:
+        """Whether the response to ``token`` is still awaited (loop thread)."""
+        return token in self._pending
+
     def forget_request(self, token: bytes) -> None:
         """Stop waiting for the response to ``token`` (its sender gave up)."""
         self._pending.pop(token, None)
@@ -278,6 +326,21 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         """Write a frame's ``head`` and payload ``parts``; raises NetworkError if the connection is closed."""
         if self._transport is None or self._transport.is_closing():
             raise coap_error.NetworkError(f"connection to {self.hostinfo} is closed")
+        with self._write_lock:
+            if self._handoff is not None:  # the rest of a frame written from a thread goes first
+                self._handoff.append(b"".join((head, *parts)))
+                return
+            self._write_pieces(head, parts, size)
+
+    def _write_handoff(self) -> None:
+        """Write what a thread's partial write left, and the frames queued behind it (loop thread)."""
+        with self._write_lock:
+            handoff, self._handoff = self._handoff, None
+            if handoff and self._transport is not None and not self._transport.is_closing():
+                for piece in handoff:
+                    self._transport.write(piece)
+
+    def _write_pieces(self, head: bytes, parts: Sequence[Buffer], size: int) -> None:
         write = self._transport.write
         if size < _SPLIT_WRITE:
             write(b"".join((head, *parts)))
@@ -347,6 +410,11 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         return True
 
     def connection_lost(self, exc) -> None:
+        with self._write_lock:
+            duplicate, self._socket = self._socket, None
+            self._handoff = None
+        if duplicate is not None:
+            duplicate.close()
         pending, self._pending = self._pending, {}
         for settle in pending.values():
             settle(coap_error.NetworkError(f"connection to {self.hostinfo} lost: {exc}"))

@@ -1,8 +1,10 @@
 """Requests sent with no task or per-request objects over an open connection: the tensor path.
 
 :meth:`TensorClient.submit <edgert.transport.client.TensorClient.submit>` builds a request's frame in
-the calling thread (a worker's compute thread) and hands it to the transport loop in one callback,
-which writes it on the pooled connection; the response settles a ``concurrent.futures.Future``
+the calling thread (a worker's compute thread) and writes it on the pooled connection from there
+(plaintext TCP, frames up to 64 KiB: :meth:`~edgert.transport.coap_tcp.LargeTcpConnection.write_from_thread`;
+the loop then only arms the wait's timer), or hands it to the transport loop in one callback,
+which writes it; the response settles a ``concurrent.futures.Future``
 straight from the protocol callback that parsed it. No coroutine, task or timeout context per
 request: a timer bounds the wait. :meth:`TensorClient.request` sends the same way from its own loop,
 awaiting an asyncio future instead. Only that first attempt is lean. A 5.03, a lost connection, a
@@ -74,10 +76,18 @@ class Submission:
         if self.future.cancelled():
             return
         try:
-            connection.send_request(token, head, self._attempts.body, self._settle)
+            connection.send_request(token, head, self._attempts.body, self.settle)
         except coap_error.NetworkError as error:  # closed since the frame was built
             self._next_attempt(self._client.unreachable(*self._names, error, 0, self._attempts.retries))
             return
+        self._connection, self._token = connection, token
+        self._timer = connection.loop.call_later(self._attempts.timeout, self._timed_out)
+        self._client.submissions.add(self)
+
+    def went_out(self, connection: LargeTcpConnection, token: bytes) -> None:
+        """The frame was written from another thread (attempt 0): wait for its response with a timer."""
+        if self.future.done() or not connection.awaits(token):
+            return  # settled already (answered, or the connection was lost)
         self._connection, self._token = connection, token
         self._timer = connection.loop.call_later(self._attempts.timeout, self._timed_out)
         self._client.submissions.add(self)
@@ -109,7 +119,8 @@ class Submission:
             if self._task is not None:
                 self._task.cancel()
 
-    def _settle(self, outcome: Message | Exception) -> None:
+    def settle(self, outcome: Message | Exception) -> None:
+        """The lean attempt's response, or the network error that ended it (loop thread)."""
         self._stop_waiting()
         if isinstance(outcome, Exception):
             self._next_attempt(self._client.unreachable(*self._names, outcome, 0, self._attempts.retries))

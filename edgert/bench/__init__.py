@@ -15,6 +15,7 @@ Map of the package:
 - ``pipeline.py``   ``edgert bench pipeline``: edgert's overhead over bare ORT, 1F1B's pipeline efficiency
 - ``torch_peer.py`` the torch.distributed.pipelining peer of ``edgert bench pipeline`` (where torch is installed)
 - ``hop.py``        an idle hop (compute thread -> CoAP -> the peer's compute thread) and its raw TCP floor
+- ``trace_hops.py`` the hops a training run met, from its ``trace.json`` (a late input's time in transit)
 - ``calls.py``      a stage call's own cost: the runtime's forward/backward vs bare ``InferenceSession.run``
 - ``hetero.py``     ``edgert bench hetero``: planned vs equal cuts vs the ideal on unequal devices, re-planning
 - ``elastic.py``    ``edgert bench elastic``: a device that joins mid-run, steps until it computes

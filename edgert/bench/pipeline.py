@@ -21,7 +21,9 @@
    edgert's slowdown-1 samples/s over it.
 5. ``idle_hop`` (first, on the idle machine; edgert/bench/hop.py): a compute thread's 8 KiB
    activation to a peer process's waiting compute thread over the worker's own path, median and
-   10th percentile, beside half a raw TCP round trip of the same bytes (``hop_vs_raw_tcp``).
+   10th percentile, beside half a raw TCP round trip of the same bytes (``hop_vs_raw_tcp``); and
+   the hops each 4-stage run met, from its trace (edgert/bench/trace_hops.py: a neighbour's
+   computation's end to the end of the wait for it): ``hop_in_pipeline_vs_idle``.
 6. ``edgert_4stage_1f1b_side_by_side``: each 4-stage run again, every stage's forwards on a
    thread of their own beside its backwards (``edgert train --side-by-side``), in the same
    cluster right after: ``side_by_side_vs_one_after_the_other`` (samples/s over samples/s). At
@@ -30,6 +32,9 @@
 7. ``stage_call`` (edgert/bench/calls.py): the runtime's forward and backward of the pipeline's
    stage 1 on one micro-batch against bare ``InferenceSession.run`` (``call_vs_bare_session``),
    and a 1-row backward: the fixed cost per call (``fixed_share_of_backward``).
+
+Every run's samples/s is over the steps it takes after ``WARMUP`` warm-up steps (sessions'
+first calls, connections), the bare loop's, the peer's and edgert's alike.
 
 Which figures are the headline depends on the machine. Emulation slows only the compute: on
 a real board the Python message path slows down as much, so the slowdown-1 figures are the
@@ -57,7 +62,8 @@ from edgert.bench import torch_peer
 from edgert.bench.calls import call_costs
 from edgert.bench.harness import key_value_lines, option, ratio, result
 from edgert.bench.hop import idle_hop
-from edgert.bench.runs import train_run
+from edgert.bench.runs import steady_rate, train_run
+from edgert.bench.trace_hops import trace_hops
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.ort_training import training_api
@@ -66,6 +72,7 @@ from edgert.models import build_model, get_model_spec, load_dataset, save_model
 from edgert.schedule import simulate
 
 STAGES, MICRO_BATCHES = 4, 8  # the pipelined run
+WARMUP = 3  # steps every run takes before its rate is measured (session start-up, first calls): all alike
 LEARNING_RATE = 1e-3
 CORES_PER_WORKER = 2  # with fewer, a slowdown-1 pipeline measures the workers' contention for cores
 
@@ -88,8 +95,8 @@ class BenchConfig:
     side_by_side: bool = option(True, "Also train each 4-stage run with the forwards beside the backwards.")
 
 
-def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int = 3) -> float:
-    """Samples/s of ORT's own training loop on the 1-stage plan's artifacts."""
+def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int = WARMUP) -> float:
+    """Samples/s of ORT's own training loop on the 1-stage plan's artifacts, over the steps after ``warmup``."""
     from onnxruntime import SessionOptions
 
     api = training_api()
@@ -113,10 +120,11 @@ def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, w
     return steps * batch / (time.perf_counter() - started)
 
 
-def edgert_run(plan: Path, workers: list[str], out: Path, **options) -> tuple[float, list[dict]]:
-    """Samples/s of an edgert run and its step records."""
-    summary, records = train_run(plan, workers, out, **options)
-    return summary.samples_per_s, [m for m in records if m["type"] == "step"]
+def edgert_run(plan: Path, workers: list[str], out: Path, steps: int, **options) -> tuple[float, list[dict]]:
+    """Samples/s of an edgert run over ``steps`` steps after ``WARMUP`` more (as the bare loop and the peer
+    measure theirs), and its step records."""
+    _, records = train_run(plan, workers, out, steps=WARMUP + steps, **options)
+    return steady_rate(records, WARMUP), [m for m in records if m["type"] == "step"]
 
 
 def pipeline_figures(steps: list[dict], stages: int, microbatches: int, skip: int) -> dict[str, float]:
@@ -146,7 +154,8 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         bares, singles = [], []
         with LocalCluster(1) as one:
             for attempt in range(config.repeat):  # alternate, so both see the same machine load
-                bares.append(bare_ort(folder / "plan1", data.x_train, data.y_train, config.batch_size, config.steps))
+                bares.append(bare_ort(folder / "plan1", data.x_train, data.y_train, config.batch_size, config.steps,
+                                      WARMUP))
                 singles.append(edgert_run(folder / "plan1", one.urls, folder / f"run1-{attempt}", epochs=100,
                                           batch_size=config.batch_size, micro_batches=1, steps=config.steps,
                                           schedule="1f1b")[0])
@@ -171,13 +180,15 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
                 if config.side_by_side:
                     beside[slowdown] = edgert_run(folder / "plan4", four.urls, folder / f"side-slowdown{slowdown}",
                                                   side_by_side=True, **shape)[0]
-            figures = pipeline_figures(steps, STAGES, MICRO_BATCHES, skip=3)
+            figures = pipeline_figures(steps, STAGES, MICRO_BATCHES, skip=WARMUP)
+            hops = trace_hops(out / "trace.json", WARMUP)
             pipelined[slowdown] = rate, figures
             if config.keep and slowdown == config.slowdown:
                 shutil.copytree(out, config.keep, dirs_exist_ok=True)
             rows.append({"run": "edgert_4stage_1f1b", "model": config.pipeline_model, "stages": STAGES,
                          "micro_batches": MICRO_BATCHES, "slowdown": slowdown, "blocks_per_stage": blocks,
-                         "samples_per_s": round(rate, 1), **{k: round(v, 2) for k, v in figures.items()}})
+                         "samples_per_s": round(rate, 1), **{k: round(v, 2) for k, v in figures.items()},
+                         **{f"hop_{k}": v for k, v in hops.items() if k.startswith("all_")}, "hops": hops["hops"]})
             if slowdown in beside:
                 rows.append({"run": "edgert_4stage_1f1b_side_by_side", "model": config.pipeline_model,
                              "stages": STAGES, "micro_batches": MICRO_BATCHES, "slowdown": slowdown,
@@ -187,7 +198,7 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
             pipeline_spec = get_model_spec(config.pipeline_model)
             flat = load_dataset(pipeline_spec.dataset, pipeline_spec)
             peer = torch_peer.samples_per_s(flat.x_train, flat.y_train.astype(np.int64), blocks, MICRO_BATCHES,
-                                            config.batch_size, config.pipeline_steps, LEARNING_RATE)
+                                            config.batch_size, config.pipeline_steps, LEARNING_RATE, WARMUP)
             rows.append({"run": "torch_pipelining_4stage_1f1b", "model": config.pipeline_model, "stages": STAGES,
                          "micro_batches": MICRO_BATCHES, "slowdown": "1", "blocks_per_stage": blocks,
                          "samples_per_s": round(peer, 1)})
@@ -199,6 +210,8 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         ratios.update({f"f1b_vs_ideal_4stages{suffix}": ratio(figures["ideal_ms"], figures["measured_ms"], 3),
                        f"f1b_vs_simulated{suffix}": ratio(figures["simulated_ms"], figures["measured_ms"], 3),
                        f"f1b_schedule_ceiling{suffix}": ratio(figures["ideal_ms"], figures["simulated_ms"], 3)})
+        hop_row = next(row for row in rows if row["run"] == "edgert_4stage_1f1b" and row["slowdown"] == slowdown)
+        ratios[f"hop_in_pipeline_vs_idle{suffix}"] = ratio(hop_row.get("hop_all_median_ms"), hop["hop_median_ms"], 2)
         if slowdown in beside:
             ratios[f"side_by_side_vs_one_after_the_other{suffix}"] = ratio(beside[slowdown], pipelined[slowdown][0], 3)
     ratios["edgert_vs_torch_pipelining"] = ratio(pipelined["1"][0], peer, 3)
@@ -233,6 +246,11 @@ def format_table(outcome: dict[str, Any]) -> str:
     if hop is not None:
         lines.append(f"idle hop: median {hop['median_ms']} ms, p10 {hop['p10_ms']} ms (half a raw TCP round trip "
                      f"of the same {hop['bytes']} bytes: {hop['raw_tcp_median_ms']} ms)")
+    for row in outcome["rows"]:
+        if row["run"] == "edgert_4stage_1f1b" and "hop_all_median_ms" in row:
+            lines.append(f"hops in the slowdown-{row['slowdown']} pipeline (a neighbour's computation's end to the end "
+                         f"of the wait for it): median {row['hop_all_median_ms']} ms, p10 {row['hop_all_p10_ms']} ms, "
+                         f"p90 {row['hop_all_p90_ms']} ms over {row['hops']}")
     if call is not None:
         lines.append(f"per call (stage 1, {call['rows']} rows): forward {call['forward_ms']} ms (bare session "
                      f"{call['bare_forward_ms']}), backward {call['backward_ms']} ms (bare "

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from edgert.bench.pipeline import pipeline_figures
+from edgert.bench.pipeline import WARMUP, pipeline_figures
+from edgert.bench.trace_hops import trace_hops
+from edgert.coordinator.tracefile import TraceWriter
 from edgert.schedule import simulate
 
 
@@ -22,6 +24,26 @@ def test_pipeline_figures_from_step_records():
     assert figures["ideal_ms"] == pytest.approx((8 * 3.0 + 0.5) * 4 / 4)
     assert figures["simulated_ms"] == pytest.approx(simulate("1f1b", [1.0] * 4, [2.0] * 4, 8) + 0.5)
     assert figures["measured_ms"] == 70.0
+
+
+def test_hops_in_a_trace_run_from_the_producers_end_to_the_end_of_the_wait(tmp_path):
+    trace = TraceWriter(tmp_path / "trace.json", started=100.0)
+    # step 0 (warm-up): a 50 ms hop. Step 1: stage 0 computes F1.0 until 100.010, stage 1 waits for it until
+    # 100.012 (a 2 ms hop), and its B1.0 ends at 100.030; stage 0 waits for that gradient until 100.033 (3 ms).
+    # Step 2: stage 1's wait ended before stage 0's F2.0 did (it waited for something else): no hop
+    trace.spans("w0", 0, [("F0.0", 99.0, 0.001), ("F1.0", 100.0, 0.010), ("wait grad", 100.011, 0.022),
+                          ("B1.0", 100.033, 0.005), ("F2.0", 100.040, 0.010)])
+    trace.spans("w1", 1, [("wait act", 99.0, 0.051), ("F0.0", 99.051, 0.001), ("wait act", 100.005, 0.007),
+                          ("F1.0", 100.012, 0.004), ("B1.0", 100.020, 0.010),
+                          ("wait act", 100.040, 0.001), ("F2.0", 100.050, 0.002)])
+    trace.close()
+    figures = trace_hops(tmp_path / "trace.json", skip_steps=1)
+    assert figures["hops"] == 2
+    assert figures["act_median_ms"] == pytest.approx(2.0, abs=0.01)
+    assert figures["grad_median_ms"] == pytest.approx(3.0, abs=0.01)
+    assert figures["all_median_ms"] == pytest.approx(2.5, abs=0.01)  # the median of two is their mean
+    everything = trace_hops(tmp_path / "trace.json")
+    assert everything["hops"] == 3 and everything["act_p90_ms"] == pytest.approx(50.0, abs=0.01)
 
 
 @pytest.mark.slow
@@ -54,3 +76,10 @@ def test_the_benchmark_prints_rows_and_ratios(tmp_path):
     assert 0 < ratios["side_by_side_vs_one_after_the_other"] < 3
     assert 0 < ratios["side_by_side_vs_one_after_the_other_slowdown1"] < 3
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "metrics.jsonl").is_file()
+    # the hops the pipeline met (its trace) cost at least what an idle hop does, less than a step
+    pipelined = data["rows"][4]
+    assert pipelined["hops"] > 0 and 0 < pipelined["hop_all_p10_ms"] <= pipelined["hop_all_median_ms"] < 1000
+    assert ratios["hop_in_pipeline_vs_idle_slowdown1"] > 0 and ratios["hop_in_pipeline_vs_idle"] > 0
+    # edgert's runs take the warm-up steps the bare loop and the peer take, and measure the 6 after them
+    steps = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(WARMUP + 6))

@@ -247,3 +247,75 @@ def test_a_cancelled_awaited_request_stops_waiting_and_a_closing_client_fails_th
     with pytest.raises(PeerUnreachable, match=r"POST .*/hang: the client closed"):
         left.result(10)
     assert peers.attempts["hang"] == 2
+
+
+def _connection(peers):
+    (connection,) = peers.client._tcp._pool.values()
+    return connection
+
+
+def test_threads_write_their_frames_themselves_and_frames_never_interleave(peers):
+    peers.submit("act", _activations(0)).result(10)  # first contact
+    connection = _connection(peers)
+    written = []
+    write = connection.write_from_thread
+
+    def spy(*args):
+        written.append(write(*args))
+        return written[-1]
+
+    connection.write_from_thread = spy
+    results: dict[int, np.ndarray] = {}
+
+    def sender(first: int):
+        futures = {i: peers.submit("echo", _activations(i, rows=1 + i % 5)) for i in range(first, first + 25)}
+        for i, future in futures.items():
+            results[i] = future.result(10).envelope().tensors["x"]
+
+    async def from_the_loop():  # the loop's own writes (Uri-Query: the attempts' path) between the threads'
+        for i in range(100, 125):
+            back = await peers.client.post(peers.url, "echo", _activations(i), query={"n": str(i)})
+            results[i] = back.envelope().tensors["x"]
+
+    threads = [threading.Thread(target=sender, args=(k * 25,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    _run(from_the_loop(), peers.client_loop)
+    for thread in threads:
+        thread.join(30)
+    assert sorted(results) == list(range(100)) + list(range(100, 125))
+    for i, x in results.items():
+        rows = 4 if i >= 100 else 1 + i % 5
+        assert np.array_equal(x, np.full((rows, 8), i, np.float32))
+    assert written.count(True) == 100 and peers.slow_paths == 1 + 25
+    assert not peers.client.submissions and not connection._pending and connection._handoff is None
+
+
+class _Trickle:
+    """The connection's socket as a full send buffer makes it: it takes at most ``most`` bytes a call."""
+
+    def __init__(self, sock, most: int):
+        self._sock, self._most = sock, most
+        self.partial = 0
+
+    def send(self, data):
+        taken = self._sock.send(bytes(data[:self._most]))
+        self.partial += taken < len(data)
+        return taken
+
+    def close(self):
+        self._sock.close()
+
+
+def test_what_the_socket_did_not_take_is_written_by_the_loop_before_anything_else(peers):
+    peers.submit("act", _activations(0)).result(10)
+    connection = _connection(peers)
+    trickle = connection._socket = _Trickle(connection._socket, 100)
+    futures = [peers.submit("echo", _activations(i, rows=6)) for i in range(1, 30)]
+    loop_side = asyncio.run_coroutine_threadsafe(
+        peers.client.post(peers.url, "echo", _activations(77), query={"n": "1"}), peers.client_loop)
+    for i, future in enumerate(futures, start=1):
+        assert np.array_equal(future.result(10).envelope().tensors["x"], np.full((6, 8), i, np.float32))
+    assert loop_side.result(10).envelope().microbatch == 77
+    assert trickle.partial >= 1  # frames went out in part from the thread, the rest from the loop
+    assert connection._handoff is None and not peers.client.submissions
