@@ -153,7 +153,7 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self.peer = peer_identity(transport)
         self._tls = transport.get_extra_info("ssl_object") is not None
         raw = transport.get_extra_info("socket")
-        if not self._tls and raw is not None:
+        if not self._tls and not self._local_is_server and raw is not None:  # requests leave from clients only
             self._socket = raw.dup()  # the same stream (a duplicate descriptor), usable outside asyncio
             self._socket.setblocking(False)
         self.verified = self.peer is not None and (self._trust is None or self._trust(self.peer))
