@@ -100,13 +100,13 @@ class Submission:
     def cancel(self) -> asyncio.Task | None:
         """Stop: no response is waited for, no attempt follows; returns the task still to await, if any.
 
-        A submitted future ends cancelled; an awaited one raises PeerUnreachable (its client closed).
+        A submitted future ends cancelled; an awaited one raises PeerUnreachable (its client is closing).
         """
         self._stop_waiting()
         if isinstance(self.future, asyncio.Future):
             _set(self.future, exception=PeerUnreachable(
                 f"{self._attempts.code.name} {self._attempts.url}/{self._attempts.path.strip('/')}: "
-                f"the client closed"))
+                f"the client is closing"))
         else:
             self.future.cancel()
         if self._task is not None:

@@ -244,7 +244,7 @@ def test_a_cancelled_awaited_request_stops_waiting_and_a_closing_client_fails_th
     while peers.attempts["hang"] < 2:
         threading.Event().wait(0.01)
     _run(client.close(), peers.client_loop)
-    with pytest.raises(PeerUnreachable, match=r"POST .*/hang: the client closed"):
+    with pytest.raises(PeerUnreachable, match=r"POST .*/hang: the client is closing"):
         left.result(10)
     assert peers.attempts["hang"] == 2
 
