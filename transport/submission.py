@@ -80,14 +80,14 @@ class Submission:
         except coap_error.NetworkError as error:  # closed since the frame was built
             self._next_attempt(self._client.unreachable(*self._names, error, 0, self._attempts.retries))
             return
-        self._connection, self._token = connection, token
-        self._timer = connection.loop.call_later(self._attempts.timeout, self._timed_out)
-        self._client.submissions.add(self)
+        self._await_response(connection, token)
 
     def went_out(self, connection: LargeTcpConnection, token: bytes) -> None:
         """The frame was written from another thread (attempt 0): wait for its response with a timer."""
-        if self.future.done() or not connection.awaits(token):
-            return  # settled already (answered, or the connection was lost)
+        if not self.future.done() and connection.awaits(token):  # else settled already (answered, or lost)
+            self._await_response(connection, token)
+
+    def _await_response(self, connection: LargeTcpConnection, token: bytes) -> None:
         self._connection, self._token = connection, token
         self._timer = connection.loop.call_later(self._attempts.timeout, self._timed_out)
         self._client.submissions.add(self)

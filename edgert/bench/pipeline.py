@@ -182,7 +182,7 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
                                                   side_by_side=True, **shape)[0]
             figures = pipeline_figures(steps, STAGES, MICRO_BATCHES, skip=WARMUP)
             hops = trace_hops(out / "trace.json", WARMUP)
-            pipelined[slowdown] = rate, figures
+            pipelined[slowdown] = rate, figures, hops
             if config.keep and slowdown == config.slowdown:
                 shutil.copytree(out, config.keep, dirs_exist_ok=True)
             rows.append({"run": "edgert_4stage_1f1b", "model": config.pipeline_model, "stages": STAGES,
@@ -205,13 +205,12 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
 
     ratios = {"one_stage_vs_bare_ort": ratio(single, bare, 3),
               "f1b_bound": ratio(MICRO_BATCHES, MICRO_BATCHES + STAGES - 1, 3)}
-    for slowdown, (_, figures) in pipelined.items():
+    for slowdown, (_, figures, hops) in pipelined.items():
         suffix = "" if slowdown == config.slowdown else f"_slowdown{slowdown}"
         ratios.update({f"f1b_vs_ideal_4stages{suffix}": ratio(figures["ideal_ms"], figures["measured_ms"], 3),
                        f"f1b_vs_simulated{suffix}": ratio(figures["simulated_ms"], figures["measured_ms"], 3),
                        f"f1b_schedule_ceiling{suffix}": ratio(figures["ideal_ms"], figures["simulated_ms"], 3)})
-        hop_row = next(row for row in rows if row["run"] == "edgert_4stage_1f1b" and row["slowdown"] == slowdown)
-        ratios[f"hop_in_pipeline_vs_idle{suffix}"] = ratio(hop_row.get("hop_all_median_ms"), hop["hop_median_ms"], 2)
+        ratios[f"hop_in_pipeline_vs_idle{suffix}"] = ratio(hops.get("all_median_ms"), hop["hop_median_ms"], 2)
         if slowdown in beside:
             ratios[f"side_by_side_vs_one_after_the_other{suffix}"] = ratio(beside[slowdown], pipelined[slowdown][0], 3)
     ratios["edgert_vs_torch_pipelining"] = ratio(pipelined["1"][0], peer, 3)
