@@ -165,8 +165,9 @@ class TensorClient:
         self._loop = loop
 
     async def cancel_submissions(self) -> None:
-        """Cancel every submitted request still in flight (their futures end cancelled) and wait until
-        none runs: call before the connections close, so none fails after the loop is gone."""
+        """End every request still in flight (a submitted one's future cancelled, an awaited one's with
+        PeerUnreachable) and wait until none runs: call before the connections close, so none fails after
+        the loop is gone."""
         submissions, self.submissions = self.submissions, set()
         tasks = [task for task in (submission.cancel() for submission in submissions) if task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -202,19 +203,16 @@ class TensorClient:
         ``payload`` may be an :class:`Envelope` (encoded with ``codec``, Content-Format
         60) or raw bytes. Error codes raise unless ``raise_for_status=False``.
         """
-        code = _method_code(method)
-        body, content_format = _body(payload, codec, content_format)
-        timeout, retries = self._attempt_limits(timeout, retries)
+        a = self._attempts_of(method, url, path, payload, codec, content_format, timeout, retries, raise_for_status)
         if not query and self._loop is asyncio.get_running_loop():
-            lean = self._lean_head(code, url, path, content_format, sum(map(len, body)))
+            lean = self._lean_head(a)
             if lean is not None:  # as a submission, without the attempts' coroutines and message objects
-                submission = Submission(self, Attempts(code, url, path, body, content_format, timeout, retries,
-                                                       raise_for_status), self._loop.create_future())
+                submission = Submission(self, a, self._loop.create_future())
                 submission.go_lean(*lean)
                 return await submission.future
         uri_query = tuple(f"{k}={v}" for k, v in (query or {}).items())
-        return await self._attempts(code, url, path, body, content_format, uri_query, timeout, retries,
-                                    raise_for_status)
+        return await self._attempts(a.code, a.url, a.path, a.body, a.content_format, uri_query, a.timeout, a.retries,
+                                    a.raise_for_status)
 
     def submit(self, method: str, url: str, path: str = "", payload: Payload = None, *,
                codec: CodecChoice = None, content_format: int | None = None, timeout: float | None = None,
@@ -229,22 +227,32 @@ class TensorClient:
         """
         if self._loop is None:
             raise RuntimeError("start the client on its loop before submitting to it")
+        attempts = self._attempts_of(method, url, path, payload, codec, content_format, timeout, retries)
+        submission = Submission(self, attempts)
+        lean = self._lean_head(attempts)
+        if lean is None:
+            self._loop.call_soon_threadsafe(submission.go_slow)
+            return submission.future
+        connection, token, head = lean
+        if connection.write_from_thread(token, head, attempts.body, submission.settle):
+            self._loop.call_soon_threadsafe(submission.went_out, connection, token)  # the wait's timer; not urgent
+        else:
+            self._loop.call_soon_threadsafe(submission.go_lean, connection, token, head)
+        return submission.future
+
+    def _attempts_of(self, method: str, url: str, path: str, payload: Payload, codec: CodecChoice,
+                     content_format: int | None, timeout: float | None, retries: int | None,
+                     raise_for_status: bool = True) -> Attempts:
+        """What every attempt of a request sends, with the client's defaults for what is not given."""
         code = _method_code(method)
         body, content_format = _body(payload, codec, content_format)
         timeout, retries = self._attempt_limits(timeout, retries)
-        submission = Submission(self, Attempts(code, url, path, body, content_format, timeout, retries))
-        lean = self._lean_head(code, url, path, content_format, sum(map(len, body)))
-        if lean is None:
-            self._loop.call_soon_threadsafe(submission.go_slow)
-        elif lean[0].write_from_thread(lean[1], lean[2], body, submission.settle):
-            self._loop.call_soon_threadsafe(submission.went_out, lean[0], lean[1])  # the wait's timer; not urgent
-        else:
-            self._loop.call_soon_threadsafe(submission.go_lean, *lean)
-        return submission.future
+        return Attempts(code, url, path, body, content_format, timeout, retries, raise_for_status)
 
-    def _lean_head(self, code: Code, url: str, path: str, content_format: int | None,
-                   size: int) -> tuple[coap_tcp.LargeTcpConnection, bytes, bytes] | None:
+    def _lean_head(self, attempts: Attempts) -> tuple[coap_tcp.LargeTcpConnection, bytes, bytes] | None:
         """(connection, token, frame head) of a request that can go lean now (see :meth:`submit`), else None."""
+        code, url, path, content_format = attempts.code, attempts.url, attempts.path, attempts.content_format
+        size = sum(map(len, attempts.body))
         key = (code, url, path, content_format)
         resource = self._resources.get(key)
         if resource is None:
