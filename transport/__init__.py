@@ -20,6 +20,7 @@ Map of the package (wire format: docs/PROTOCOL.md):
 - ``coap_tcp.py``     CoAP over TCP with negotiated large messages (aiocoap transport subclass), ``DEFAULT_PORT``
 - ``coap_tcp_pool.py`` its listening and connecting sides: the server (port 0, the guard), the client pool
 - ``frame_reader.py`` receiving RFC 8323 frames: heads screened first, buffers that grow with the bytes
+- ``incoming.py``     :class:`IncomingMessage`: a plain request or response read off a frame without aiocoap
 - ``framing.py``      RFC 8323 framing at the byte level (frame length, options, frame head)
 - ``guard.py``        what peers can make a server hold: connection cap, unverified-bytes budget, timeouts
 - ``deadline.py``     ``timeout``: bounding an awaited block on Python 3.10 and newer

@@ -343,8 +343,10 @@ class TensorClient:
             self._udp_remotes[hostinfo] = response.remote
         return Response.from_message(response)
 
-    async def rest_of_blocks(self, request: Message, response: Message) -> Response:
+    async def rest_of_blocks(self, request: Message, response: Message | Response) -> Response:
         """``response`` to a fast-path ``request``, with the rest of its Block2 blocks fetched if it has more."""
+        if isinstance(response, Response):  # a plain response: no Block2
+            return response
         if response.opt.block2 is not None and response.opt.block2.more:
             response = await BlockwiseRequest._complete_by_requesting_block2(
                 self._context, request, response, self._context.log)

@@ -24,7 +24,9 @@ cannot bind port 0 and binds with SO_REUSEPORT. This module subclasses it to:
 - offer a fast path for plain request/response exchanges (no Observe, no block
   options): :meth:`LargeTcpConnection.request` on the client and a ``fast_server``
   hook on the server bypass aiocoap's token manager, pipes and per-request tasks,
-  which cost about three quarters of a small round trip. Fast-path tokens are 8
+  which cost about three quarters of a small round trip; such messages are read
+  without aiocoap's ``Message`` (:mod:`~edgert.transport.incoming`) and the server's
+  responses are written from pre-encoded options (:meth:`LargeTcpConnection.send_frame`). Fast-path tokens are 8
   bytes starting with 0xED, disjoint from aiocoap's short counter tokens, so both
   paths share one connection. :meth:`LargeTcpConnection.send_request` is that path
   without a future: a frame built elsewhere (another thread, see
@@ -66,8 +68,10 @@ from aiocoap.transports import rfc8323common
 from aiocoap.transports.tcp import TcpConnection
 
 from edgert.transport.frame_reader import FrameReader
-from edgert.transport.framing import Buffer, serialize_head
+from edgert.transport.framing import Buffer, frame_head, serialize_head
 from edgert.transport.guard import ConnectionGuard
+from edgert.transport.incoming import IncomingMessage
+from edgert.transport.message import Response
 from edgert.transport.tls import PeerIdentity, peer_identity
 
 #: Payloads at or above this size are written separately from their head.
@@ -104,17 +108,18 @@ def fast_token() -> bytes:
     return bytes((FAST_TOKEN_PREFIX,)) + next(_fast_tokens).to_bytes(7, "big")
 
 
-FastServer = Callable[["LargeTcpConnection", Message], bool]
+FastServer = Callable[["LargeTcpConnection", "Message | IncomingMessage"], bool]
 """``hook(connection, request) -> handled``: a server's fast path; False hands the request to aiocoap."""
 
-Screen = Callable[["LargeTcpConnection", Message], "Message | None"]
+Screen = Callable[["LargeTcpConnection", IncomingMessage], "Message | None"]
 """``screen(connection, request_head) -> refusal``: a server's check of a request before its payload is stored."""
 
 Trust = Callable[[PeerIdentity], bool]
 """``trust(identity) -> bool``: whether a TLS peer's verified identity counts as a cluster member."""
 
-Settle = Callable[["Message | Exception"], None]
-"""``settle(outcome)``: what becomes of a fast-path request: its response, or the network error that ended it."""
+Settle = Callable[["Message | Response | Exception"], None]
+"""``settle(outcome)``: what becomes of a fast-path request: its response (a plain one read without aiocoap,
+:mod:`~edgert.transport.incoming`), or the network error that ended it."""
 
 
 class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
@@ -196,9 +201,11 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         """Whether the peer owes bytes: its CSM, or the rest of a frame it began."""
         return self._remote_settings is None or self.reader.mid_frame
 
-    def screen(self, request: Message) -> Message | None:
+    def screen(self, request: Message | IncomingMessage) -> Message | None:
         """The server's refusal of ``request`` from its head (None: receive the payload)."""
-        return None if self._screen is None else self._screen(self, request)
+        if self._screen is None:
+            return None
+        return self._screen(self, request if isinstance(request, IncomingMessage) else IncomingMessage.of(request))
 
     def send_signal(self, message: Message) -> None:
         """Send ``message`` now if the connection is open (refusals, Ping, fast-path responses); a message
@@ -207,6 +214,13 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
             if not self.fits(message):
                 message.payload = bytes(message.payload[:self.maximum_payload_size])
             self._send_message(message)
+
+    def send_frame(self, code: int, token: bytes, options: bytes, payload: Buffer) -> None:
+        """Send a message whose ``options`` are already encoded now, if the connection is open (the server's
+        fast-path responses; ``payload`` must fit the peer's Max-Message-Size)."""
+        if self.is_open:
+            self._write_frame(frame_head(code, token, options, len(payload)), (payload,) if payload else (),
+                              len(payload))
 
     # -- the peer's limits ------------------------------------------------------------------
 
@@ -251,7 +265,7 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         if self.is_open:
             await super().release()
 
-    async def request(self, message: Message, parts: Sequence[Buffer] | None = None) -> Message:
+    async def request(self, message: Message, parts: Sequence[Buffer] | None = None) -> Message | Response:
         """Fast path: send ``message`` (a request fitting the peer's Max-Message-Size) and await its response.
 
         ``parts``, if given, is the payload in pieces (see :meth:`_send_message`).
@@ -378,8 +392,9 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         self.last_heard = self.loop.time()
         self.reader.feed(data)
 
-    def deliver(self, msg: Message) -> bool:
-        """Hand one complete message to signalling or the token manager; False if the connection ended."""
+    def deliver(self, msg: Message | IncomingMessage) -> bool:
+        """Hand one complete message to signalling, a waiting request, the server's fast path or aiocoap (the
+        token manager); False if the connection ended."""
         if msg.code.is_signalling():
             try:
                 self._process_signaling(msg)
@@ -399,10 +414,12 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
         if msg.code.is_response():
             settle = self._pending.pop(msg.token, None)
             if settle is not None:
-                settle(msg)
+                settle(msg.response() if isinstance(msg, IncomingMessage) else msg)
                 return True
         elif self._fast_server is not None and self._fast_server(self, msg):
             return True
+        if isinstance(msg, IncomingMessage):
+            msg = msg.to_message()
         try:
             self._ctx._dispatch_incoming(self, msg)
         except AttributeError:  # the context was shut down under this connection: nobody is listening
@@ -428,7 +445,7 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
             super().connection_lost(exc)
 
 
-def _settle_future(future: asyncio.Future, outcome: Message | Exception) -> None:
+def _settle_future(future: asyncio.Future, outcome: Message | Response | Exception) -> None:
     if future.done():
         return
     if isinstance(outcome, Exception):

@@ -33,6 +33,7 @@ from edgert.transport.errors import (
     TooLarge,
     UnsupportedContentFormat,
 )
+from edgert.transport.incoming import IncomingMessage
 from edgert.transport.message import TEXT, Request, Response
 from edgert.transport.oscore import OscoreAddress
 from edgert.transport.tls import PeerIdentity
@@ -44,6 +45,11 @@ log = logging.getLogger("edgert.transport.server")
 
 HandlerResult = Response | Envelope | bytes | bytearray | str | None
 Handler = Callable[[Request], Awaitable[HandlerResult] | HandlerResult]
+
+Answer = Response | Message
+"""What a request gets: a handler's result as a :class:`Response` (over TCP written without aiocoap's
+message), or a refusal as the message its :class:`ResponseError` builds (its options exactly: Max-Age 0 on
+a 4.01, Size1 on a 4.13)."""
 
 
 class CappedBlock1Spool(Block1Spool):
@@ -98,77 +104,80 @@ class Endpoint(resource.Resource):
         return linkformat.Link("/" + self.path, tuple(attrs))
 
     async def render(self, message: Message) -> Message:
-        """Answer one (reassembled) request; never raises."""
-        answer = self.start(message)
-        return answer if isinstance(answer, Message) else await answer
+        """Answer one (reassembled) request that aiocoap parsed; never raises."""
+        answer = self.start(IncomingMessage.of(message))
+        if not isinstance(answer, (Response, Message)):
+            answer = await answer
+        return answer.to_message() if isinstance(answer, Response) else answer
 
-    def start(self, message: Message) -> Message | Awaitable[Message]:
-        """Check ``message`` and call its handler: the response, or (the handler is a coroutine) an
+    def start(self, incoming: IncomingMessage) -> Answer | Awaitable[Answer]:
+        """Check ``incoming`` and call its handler: the response, or (the handler is a coroutine) an
         awaitable of it. Never raises: a refusal or a handler's exception is the response."""
-        method = Code(message.code)
         try:
-            request = self._request(message, method)
+            request = self._request(incoming)
             result = self.handlers[request.method](request)
         except Exception as error:  # noqa: BLE001  (see _failure)
-            return self._failure(message, method, error)
+            return self._failure(incoming, error)
         if inspect.isawaitable(result):
-            return self._finish(message, method, result)
-        return self._respond(message, method, result)
+            return self._finish(incoming, result)
+        return self._respond(incoming, result)
 
-    async def _finish(self, message: Message, method: Code, result: Awaitable[HandlerResult]) -> Message:
+    async def _finish(self, incoming: IncomingMessage, result: Awaitable[HandlerResult]) -> Answer:
         try:
             result = await result
         except Exception as error:  # noqa: BLE001  (see _failure)
-            return self._failure(message, method, error)
-        return self._respond(message, method, result)
+            return self._failure(incoming, error)
+        return self._respond(incoming, result)
 
-    def _respond(self, message: Message, method: Code, result: HandlerResult) -> Message:
+    def _respond(self, incoming: IncomingMessage, result: HandlerResult) -> Answer:
         try:
-            return self._response(result, method)
+            return self._response(result, incoming.code)
         except Exception as error:  # noqa: BLE001  (see _failure)
-            return self._failure(message, method, error)
+            return self._failure(incoming, error)
 
-    def _failure(self, message: Message, method: Code, error: Exception) -> Message:
+    def _failure(self, incoming: IncomingMessage, error: Exception) -> Message:
         """A refusal's own code, or 5.00 for anything else: a handler bug must not kill the server."""
+        method = incoming.code
         if isinstance(error, ResponseError):
-            log.info("%s /%s from %s: %s", method.name, self.path, peer_name(message), error)
+            log.info("%s /%s from %s: %s", method.name, self.path, incoming.peer_name, error)
             return error.to_message()
         log.error("handler for %s /%s failed", method.name, self.path, exc_info=error)
         return InternalServerError(f"handler failed: {type(error).__name__}: {error}").to_message()
 
-    def check_head(self, message: Message, method: Code) -> PeerIdentity | None:
+    def check_head(self, incoming: IncomingMessage) -> PeerIdentity | None:
         """Method (4.05), role (4.03) and Content-Format (4.15) of a request; returns the peer's identity.
 
         Needs no payload: TCP requests are checked this way before their payload is received.
         """
+        method = incoming.code
         if not method.is_request() or method.name not in self.handlers:
             allowed = ", ".join(sorted(self.handlers))
             raise MethodNotAllowed(f"{method.name if method.is_request() else method.dotted} is not allowed on "
                                    f"/{self.path} (allowed: {allowed})")
-        peer = _identity(message.remote)
+        peer = _identity(incoming.remote)
         allowed = None if self.roles is None or peer is None else self.roles.get(method.name)
         if allowed is not None and peer.role not in allowed:
             raise Forbidden(f"{peer} may not {method.name} /{self.path} (allowed: {', '.join(allowed)})")
-        content_format = message.opt.content_format
+        content_format = incoming.content_format
         if self.envelope and content_format not in (None, CONTENT_FORMAT):
             raise UnsupportedContentFormat(
                 f"/{self.path} takes Content-Format {CONTENT_FORMAT} (application/cbor envelope), "
-                f"got {int(content_format)}")
+                f"got {content_format}")
         return peer
 
-    def _request(self, message: Message, method: Code) -> Request:
-        peer = self.check_head(message, method)
+    def _request(self, incoming: IncomingMessage) -> Request:
+        peer = self.check_head(incoming)
+        method = incoming.code
         limits = self.server.limits
-        payload = message.payload
+        payload = incoming.payload
         if len(payload) > limits.max_payload_bytes:
             raise TooLarge(f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}",
                            size1=limits.max_payload_bytes)
         if payload and method == Code.GET:  # refused, not ignored: the sender meant something by it
             raise BadRequest(f"GET /{self.path} takes no payload; got {len(payload)} bytes")
-        content_format = message.opt.content_format
         request = Request(method=method.name, path=self.path, payload=payload,
-                          content_format=None if content_format is None else int(content_format),
-                          query=_query(message), peer=peer_name(message), identity=peer)
+                          content_format=incoming.content_format, query=_query(incoming.query),
+                          peer=incoming.peer_name, identity=peer)
         if self.envelope:
             if payload:
                 request.envelope = decode_envelope(payload, limits)
@@ -179,23 +188,19 @@ class Endpoint(resource.Resource):
                 raise BadRequest(f"{method.name} /{self.path} needs an envelope payload")
         return request
 
-    def _response(self, result: HandlerResult, method: Code) -> Message:
+    def _response(self, result: HandlerResult, method: Code) -> Response:
         default = Code.CONTENT if method in (Code.GET, Code.FETCH) else (
             Code.DELETED if method == Code.DELETE else Code.CHANGED)
         if isinstance(result, Response):
-            return result.to_message()
+            return result
         if isinstance(result, Envelope):
-            message = Message(code=default, payload=encode_envelope(result))
-            message.opt.content_format = CONTENT_FORMAT
-            return message
+            return Response(default, encode_envelope(result), CONTENT_FORMAT)
         if result is None:
-            return Message(code=default)
+            return Response(default)
         if isinstance(result, (bytes, bytearray, memoryview)):
-            return Message(code=default, payload=bytes(result) if isinstance(result, memoryview) else result)
+            return Response(default, bytes(result) if isinstance(result, memoryview) else result)
         if isinstance(result, str):
-            message = Message(code=default, payload=result.encode())
-            message.opt.content_format = TEXT
-            return message
+            return Response(default, result.encode(), TEXT)
         raise TypeError(f"handler returned {type(result).__name__}; expected Response, Envelope, bytes, str or None")
 
 
@@ -208,16 +213,9 @@ def _identity(remote: Any) -> PeerIdentity | None:
     return remote.peer if isinstance(remote, (LargeTcpConnection, OscoreAddress)) else None
 
 
-def _query(message: Message) -> dict[str, str]:
+def _query(items: tuple[str, ...]) -> dict[str, str]:
     result = {}
-    for item in message.opt.uri_query:
+    for item in items:
         key, _, value = item.partition("=")
         result[key] = value
     return result
-
-
-def peer_name(message: Message) -> str:
-    try:
-        return message.remote.hostinfo
-    except Exception:  # noqa: BLE001  (only used for logs)
-        return "?"

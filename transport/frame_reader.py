@@ -4,6 +4,8 @@ A :class:`FrameReader` cuts a connection's byte stream into messages:
 
 - a frame's head (token and options) may take at most ``HEAD_SLACK`` bytes (4.13 beyond), and a
   frame longer than this endpoint's Max-Message-Size is answered 4.13; both are skipped unread;
+- a request or response with only the options edgert uses is read without aiocoap's ``Message``
+  (:mod:`~edgert.transport.incoming`); any other becomes aiocoap's message, as every signal does;
 - a request's head goes to the connection's screen before any payload byte is stored; a
   refused request (4.01, 4.03, 4.04 ...) is answered from its head and its payload skipped;
 - an accepted payload from a peer without a verified credential is received into a buffer of
@@ -34,6 +36,7 @@ from aiocoap.numbers.codes import Code
 
 from edgert.transport.framing import _frame_length, _options_end
 from edgert.transport.guard import Budget
+from edgert.transport.incoming import IncomingMessage, parse_plain
 from edgert.transport.limits import HEAD_SLACK
 
 log = logging.getLogger("edgert.transport.frame_reader")
@@ -62,10 +65,10 @@ class FrameSink(Protocol):
     @property
     def hostinfo(self) -> str: ...
 
-    def deliver(self, message: Message) -> bool:
+    def deliver(self, message: Message | IncomingMessage) -> bool:
         """Hand on a complete message; False if the connection ended."""
 
-    def screen(self, request: Message) -> Message | None:
+    def screen(self, request: Message | IncomingMessage) -> Message | None:
         """A refusal of a request from its head alone (None: receive its payload)."""
 
     def send_signal(self, message: Message) -> None:
@@ -79,7 +82,7 @@ class FrameSink(Protocol):
 class _Fill:
     """A payload being received."""
 
-    message: Message
+    message: Message | IncomingMessage
     size: int  # the declared payload length
     payload: bytearray = field(default_factory=bytearray)  # the buffer being received into (its room so far)
     filled: int = 0  # bytes received into ``payload``
@@ -206,14 +209,19 @@ class FrameReader:
                 continue
             if opt_end is None:
                 return True
-            message = Message(code=code, _token=bytes(self._head[token_at:opt_at]))
-            try:
-                message.opt.decode(bytes(self._head[opt_at:opt_end]))
-            except (coap_error.UnparsableMessage, ValueError) as exc:
-                sink.abort(f"Failed to parse options: {exc}")
-                return False
-            message.direction = Direction.INCOMING
-            message.remote = sink
+            token = bytes(self._head[token_at:opt_at])
+            message: Message | IncomingMessage | None = None
+            if code.is_request() or code.is_response():
+                message = parse_plain(code, token, self._head, opt_at, opt_end, sink)
+            if message is None:
+                message = Message(code=code, _token=token)
+                try:
+                    message.opt.decode(bytes(self._head[opt_at:opt_end]))
+                except (coap_error.UnparsableMessage, ValueError) as exc:
+                    sink.abort(f"Failed to parse options: {exc}")
+                    return False
+                message.direction = Direction.INCOMING
+                message.remote = sink
             if opt_end == total:
                 message.payload = b""
                 del self._head[:total]
@@ -230,7 +238,7 @@ class FrameReader:
                 return False
         return True
 
-    def _start_payload(self, message: Message, start: int, total: int) -> bool:
+    def _start_payload(self, message: Message | IncomingMessage, start: int, total: int) -> bool:
         """Begin receiving the payload at ``self._head[start:total]``; False if the connection ended."""
         size = total - start
         have = min(len(self._head), total) - start

@@ -5,6 +5,7 @@ Thin, typed views over aiocoap messages, so runtime code never touches CoAP opti
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from aiocoap import Message
@@ -55,6 +56,11 @@ class Response:
         return cls(code=Code(message.code), payload=message.payload,
                    content_format=message.opt.content_format, size1=message.opt.size1)
 
+    @property
+    def options(self) -> bytes:
+        """This response's CoAP options as they go on the wire (Content-Format, Size1)."""
+        return _encoded_options(self.content_format, self.size1)
+
     def to_message(self) -> Message:
         """The aiocoap message to send."""
         message = Message(code=self.code, payload=self.payload)
@@ -89,6 +95,12 @@ class Response:
 
     def __repr__(self) -> str:
         return f"<Response {self.code.dotted} {len(self.payload)} bytes cf={self.content_format}>"
+
+
+@functools.lru_cache(maxsize=64)
+def _encoded_options(content_format: int | None, size1: int | None) -> bytes:
+    """A response's options as aiocoap encodes them; the same few pairs recur, so each is encoded once."""
+    return Response(content_format=content_format, size1=size1).to_message().opt.encode()
 
 
 def error_response(error: ResponseError) -> Response:

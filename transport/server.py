@@ -38,19 +38,19 @@ import aiocoap
 from aiocoap import Message, interfaces
 from aiocoap import error as coap_error
 from aiocoap.messagemanager import MessageManager
-from aiocoap.numbers.codes import Code
 from aiocoap.tokenmanager import TokenManager
 from aiocoap.transports.udp6 import MessageInterfaceUDP6
 
 from edgert.transport import coap_tcp, coap_tcp_pool, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
-from edgert.transport.endpoint import Endpoint, Handler, HandlerResult, ObservableEndpoint, peer_name
+from edgert.transport.endpoint import Answer, Endpoint, Handler, HandlerResult, ObservableEndpoint
 from edgert.transport.errors import (
     NotFound,
     ResponseError,
     Unauthorized,
 )
 from edgert.transport.guard import ConnectionGuard
+from edgert.transport.incoming import IncomingMessage
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import Request, Response
 from edgert.transport.observe import Observable
@@ -207,9 +207,9 @@ class TensorServer:
         if oscore is not None:
             oscore.close()
 
-    def refusal(self, message: Message) -> Unauthorized | None:
-        """4.01 for a request over TLS or UDP from a peer without a valid, unrevoked cluster credential."""
-        remote = message.remote
+    def refusal(self, remote: Any) -> Unauthorized | None:
+        """4.01 for a request over TLS or UDP from a peer (its connection or aiocoap remote) without a valid,
+        unrevoked cluster credential."""
         if self.tls is None:
             return None
         if isinstance(remote, OscoreAddress):
@@ -231,72 +231,77 @@ class TensorServer:
 
     # -- TCP: screening and the fast path -----------------------------------------
 
-    def _screen(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> Message | None:
+    def _screen(self, connection: coap_tcp.LargeTcpConnection, request: IncomingMessage) -> Message | None:
         """The answer to a TCP request that is refused from its head alone, so its payload is never stored.
 
         Identity (4.01), path (4.04), method (4.05), role (4.03) and Content-Format (4.15) are
         known before the payload; None lets the payload in.
         """
-        refusal: ResponseError | None = self.refusal(message)
+        refusal: ResponseError | None = self.refusal(request.remote)
         if refusal is None:
-            endpoint = self._endpoints.get(tuple(message.opt.uri_path))
+            endpoint = self._endpoints.get(request.path)
             try:
                 if endpoint is None:
-                    raise _not_found(message.opt.uri_path)
-                endpoint.check_head(message, Code(message.code))
+                    raise _not_found(request.path)
+                endpoint.check_head(request)
             except ResponseError as error:
                 refusal = error
         if refusal is None:
             return None
-        log.info("refused %s /%s from %s before its payload: %s", Code(message.code).name,
-                 "/".join(message.opt.uri_path), peer_name(message), refusal)
+        log.info("refused %s /%s from %s before its payload: %s", request.code.name, "/".join(request.path),
+                 request.peer_name, refusal)
         return refusal.to_message()
 
-    def _fast_dispatch(self, connection: coap_tcp.LargeTcpConnection, message: Message) -> bool:
+    def _fast_dispatch(self, connection: coap_tcp.LargeTcpConnection, incoming: Message | IncomingMessage) -> bool:
         """Serve a plain TCP request without aiocoap's per-request machinery; False = not eligible.
 
         A refusal, and the response of a handler that is a plain function, are written from this
         callback; a coroutine handler (or a response needing Block2) finishes in a task.
         """
-        options = message.opt
-        if (options.observe is not None or options.block1 is not None or options.block2 is not None
-                or options.no_response is not None or options.uri_path_abbrev is not None
-                or self._context is None):
+        if self._context is None:
             return False
-        endpoint = self._endpoints.get(tuple(options.uri_path))
-        refusal = self.refusal(message)
+        if isinstance(incoming, Message):  # options beyond the plain ones: serve those aiocoap need not
+            options = incoming.opt
+            if (options.observe is not None or options.block1 is not None or options.block2 is not None
+                    or options.no_response is not None or options.uri_path_abbrev is not None):
+                return False
+            incoming = IncomingMessage.of(incoming)
+        endpoint = self._endpoints.get(incoming.path)
+        refusal = self.refusal(incoming.remote)
         if refusal is not None:
-            log.info("refused %s from %s: %s", "/".join(options.uri_path), peer_name(message), refusal)
-            answer: Message | Awaitable[Message] = refusal.to_message()
+            log.info("refused %s from %s: %s", "/".join(incoming.path), incoming.peer_name, refusal)
+            answer: Answer | Awaitable[Answer] = refusal.to_message()
         elif endpoint is None:
-            answer = _not_found(options.uri_path).to_message()
+            answer = _not_found(incoming.path).to_message()
         else:
-            answer = endpoint.start(message)
-        if isinstance(answer, Message) and not self._needs_blocks(connection, endpoint, answer):
-            _answer(connection, message, answer)
+            answer = endpoint.start(incoming)
+        if isinstance(answer, (Response, Message)) and not self._needs_blocks(connection, endpoint, answer):
+            _answer(connection, incoming, answer)
             return True
-        task = asyncio.get_running_loop().create_task(self._finish(connection, message, endpoint, answer))
+        task = asyncio.get_running_loop().create_task(self._finish(connection, incoming, endpoint, answer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
 
     @staticmethod
-    def _needs_blocks(connection: coap_tcp.LargeTcpConnection, endpoint: Endpoint | None,
-                      response: Message) -> bool:
+    def _needs_blocks(connection: coap_tcp.LargeTcpConnection, endpoint: Endpoint | None, response: Answer) -> bool:
         """Whether a success is larger than the peer takes in one message (served as Block2, like aiocoap)."""
-        return endpoint is not None and response.code.is_successful() and not connection.fits(response)
+        return (endpoint is not None and isinstance(response, Response) and response.ok
+                and len(response.payload) > connection.maximum_payload_size
+                and not connection.fits(response.to_message()))
 
-    async def _finish(self, connection: coap_tcp.LargeTcpConnection, message: Message, endpoint: Endpoint | None,
-                      answer: Message | Awaitable[Message]) -> None:
-        response = answer if isinstance(answer, Message) else await answer
-        if self._needs_blocks(connection, endpoint, response):
-            ready = response
+    async def _finish(self, connection: coap_tcp.LargeTcpConnection, incoming: IncomingMessage,
+                      endpoint: Endpoint | None, answer: Answer | Awaitable[Answer]) -> None:
+        response = answer if isinstance(answer, (Response, Message)) else await answer
+        if not self._needs_blocks(connection, endpoint, response):
+            _answer(connection, incoming, response)
+            return
+        whole = response.to_message()
 
-            async def rendered() -> Message:
-                return ready
+        async def rendered() -> Message:
+            return whole
 
-            response = await endpoint._block2.extract_or_insert(message, rendered)
-        _answer(connection, message, response)
+        _answer(connection, incoming, await endpoint._block2.extract_or_insert(incoming.to_message(), rendered))
 
     async def __aenter__(self) -> TensorServer:
         return await self.start()
@@ -319,7 +324,7 @@ class _Root(interfaces.Resource):
         raise NotImplementedError("requests are dispatched by render_to_pipe")
 
     async def render_to_pipe(self, pipe) -> None:
-        refusal = self._server.refusal(pipe.request)
+        refusal = self._server.refusal(pipe.request.remote)
         if refusal is not None:
             pipe.add_response(refusal.to_message(), is_last=True)
             return
@@ -370,13 +375,17 @@ def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
     return {method: names for method in handlers}
 
 
-def _answer(connection: coap_tcp.LargeTcpConnection, request: Message, response: Message) -> None:
+def _answer(connection: coap_tcp.LargeTcpConnection, request: IncomingMessage, response: Answer) -> None:
     """Send ``response`` to ``request`` (a diagnostic too large for the peer is shortened to fit)."""
-    response.token = request.token
     try:
-        connection.send_signal(response)
+        if isinstance(response, Response) and len(response.payload) <= connection.maximum_payload_size:
+            connection.send_frame(response.code, request.token, response.options, response.payload)
+            return
+        message = response if isinstance(response, Message) else response.to_message()
+        message.token = request.token
+        connection.send_signal(message)
     except aiocoap.error.NetworkError:
-        log.info("peer %s left before its response", peer_name(request))
+        log.info("peer %s left before its response", request.peer_name)
 
 
 def _not_found(path: Iterable[str]) -> NotFound:

@@ -119,13 +119,15 @@ class Submission:
             if self._task is not None:
                 self._task.cancel()
 
-    def settle(self, outcome: Message | Exception) -> None:
+    def settle(self, outcome: Message | Response | Exception) -> None:
         """The lean attempt's response, or the network error that ended it (loop thread)."""
         self._stop_waiting()
         if isinstance(outcome, Exception):
             self._next_attempt(self._client.unreachable(*self._names, outcome, 0, self._attempts.retries))
         elif outcome.code in RETRIED_CODES and self._attempts.retries:
             self._next_attempt(None)
+        elif isinstance(outcome, Response):  # a plain response: no Block2
+            self._resolve(outcome)
         elif outcome.opt.block2 is not None and outcome.opt.block2.more:
             request = self._client.request_message(self._attempts.code, self._attempts.url, self._attempts.path,
                                                    self._attempts.content_format, self._connection)

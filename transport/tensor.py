@@ -163,6 +163,12 @@ def _read_typed_body(reader: cbor.Reader, tag: int, offset: int, dims: list[int]
         raise reader.fail(
             f"shape {list(dims)} x {dtype.itemsize} bytes = {_product(dims) * dtype.itemsize} bytes, "
             f"but the typed array holds {length}", at)
+    return typed_array(data, dtype, count, shape)
+
+
+def typed_array(data: memoryview, dtype: np.dtype, count: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The checked element bytes as an array: a view over them, or one native aligned copy if they are
+    big-endian or unaligned."""
     array = np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
     if dtype.byteorder not in ("=", "|", _NATIVE) or not array.flags.aligned:
         array = array.astype(dtype.newbyteorder("="), order="C")

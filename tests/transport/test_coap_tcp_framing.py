@@ -13,7 +13,9 @@ from aiocoap.transports.tcp import _serialize
 from edgert.transport import Envelope, decode_envelope, encode_envelope
 from edgert.transport.coap_tcp import LargeTcpConnection
 from edgert.transport.framing import _frame_length, _options_end, serialize_head
+from edgert.transport.incoming import IncomingMessage, parse_plain
 from edgert.transport.limits import MiB
+from edgert.transport.message import Response
 from tests.transport.raw_peer import RawPeer, frame
 
 pytestmark = pytest.mark.timeout(30)
@@ -38,6 +40,83 @@ def test_options_end_handles_partial_and_bad_input():
     token_at, tkl, rest = _frame_length(bare)
     assert _options_end(bare, token_at + tkl, len(bare)) == len(bare)
     assert _options_end(bare[:-2], token_at + tkl, len(bare)) is None
+
+
+@pytest.mark.parametrize("options", [
+    dict(uri_path=("stage", "1", "activations")),
+    dict(uri_path=("a",), content_format=60, uri_query=("k=v", "flag")),
+    dict(uri_path=("é", ""), uri_host="worker-2", uri_port=5701, accept=60, content_format=0),
+    dict(uri_path=("x" * 300,), content_format=65000),  # an extended option length and a 2-byte value
+    dict(),
+])
+def test_plain_requests_are_read_off_the_frame_as_aiocoap_reads_them(options):
+    message = Message(code=Code.PUT, _token=b"\xed\x01", **options)
+    encoded = message.opt.encode()
+    plain = parse_plain(Code.PUT, b"\xed\x01", b"\x00" + encoded, 1, 1 + len(encoded), "remote")
+    message.remote = "remote"
+    expected = IncomingMessage.of(message)
+    assert (plain.code, plain.token, plain.path, plain.content_format, plain.query, plain.remote) == (
+        expected.code, expected.token, expected.path, expected.content_format, expected.query, expected.remote)
+    again = IncomingMessage.of(plain.to_message())
+    assert (again.path, again.content_format, again.query) == (plain.path, plain.content_format, plain.query)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(observe=0), dict(block2=(0, False, 6)), dict(size1=10), dict(no_response=26), dict(if_none_match=True),
+])
+def test_requests_with_other_options_are_left_to_aiocoap(extra):
+    message = Message(code=Code.GET, uri_path=("health",), **extra)
+    encoded = message.opt.encode()
+    assert parse_plain(Code.GET, b"\x01", encoded, 0, len(encoded), None) is None
+    bad_path = b"\xb2\xff\xfe"  # Uri-Path that is not UTF-8: aiocoap decides what it gets
+    assert parse_plain(Code.GET, b"\x01", bad_path, 0, len(bad_path), None) is None
+    twice = Message(code=Code.POST, uri_path=("a",), content_format=60).opt.encode() + b"\x01\x3c"
+    assert parse_plain(Code.POST, b"\x01", twice, 0, len(twice), None) is None  # Content-Format twice
+
+
+def test_plain_requests_skip_aiocoap_and_others_keep_it(connection):
+    observe = Message(code=Code.GET, uri_path=("health",), observe=0)
+    observe.token = b"\x02"
+    feed(connection, frame(Code.POST, b"\x01", ("stage", "1"), payload=b"abc", content_format=60)
+         + _serialize(observe), 1 << 16)
+    plain, other = connection.delivered
+    assert isinstance(plain, IncomingMessage) and plain.path == ("stage", "1") and plain.payload == b"abc"
+    assert plain.content_format == 60 and plain.remote is connection
+    assert isinstance(other, Message) and other.opt.observe == 0 and other.token == b"\x02"
+
+
+@pytest.mark.parametrize("options", [dict(), dict(content_format=60), dict(size1=70_000, max_age=1)])
+def test_plain_responses_are_read_off_the_frame(options):
+    message = Message(code=Code.REQUEST_ENTITY_TOO_LARGE, **options)
+    encoded = message.opt.encode()
+    plain = parse_plain(Code.REQUEST_ENTITY_TOO_LARGE, b"\xed\x02", encoded, 0, len(encoded), None)
+    response = plain.response()
+    assert (response.code, response.content_format, response.size1) == (
+        Code.REQUEST_ENTITY_TOO_LARGE, options.get("content_format"), options.get("size1"))
+    for other in (dict(block2=(0, True, 6)), dict(etag=b"\x01"), dict(uri_path=("a",))):
+        encoded = Message(code=Code.CONTENT, **other).opt.encode()
+        assert parse_plain(Code.CONTENT, b"\x01", encoded, 0, len(encoded), None) is None
+
+
+def test_a_plain_response_settles_its_request_and_any_other_goes_to_aiocoap(connection):
+    class Ctx(type(connection._ctx)):
+        def __init__(self):
+            self.dispatched = []
+
+        def _dispatch_incoming(self, conn, message):
+            self.dispatched.append(message)
+
+    connection._ctx = Ctx()
+    settled = []
+    token = b"\xed\x00\x00\x00\x00\x00\x00\x09"
+    connection._pending[token] = settled.append
+    feed(connection, frame(Code.CONTENT, token, (), payload=b"abc", content_format=60)
+         + frame(Code.CHANGED, b"\x05", ()), 1 << 16)
+    [response] = settled
+    assert isinstance(response, Response) and response.payload == b"abc" and response.content_format == 60
+    [other] = connection._ctx.dispatched  # a token aiocoap gave out: its own message, as before
+    assert isinstance(other, Message) and other.code == Code.CHANGED and other.token == b"\x05"
+    assert other.remote is connection
 
 
 def test_fragmented_and_coalesced_frames(live):
@@ -175,7 +254,7 @@ def test_large_payloads_are_received_in_place(connection, count, chunk, hold, tr
     got = connection.delivered
     assert connection._transport.writes == []  # nothing refused or aborted
     assert [m.token for m in got] == [b"\x01", b"\x02", b"\x03"]
-    assert got[0].payload == body and got[2].payload == b"tail" and got[1].opt.uri_path == ("weights",)
+    assert got[0].payload == body and got[2].payload == b"tail" and got[1].path == ("weights",)
     scratch = connection.reader._scratch.obj
     direct = [(target, n) for target, n in used if target is not scratch and target is not got[2].payload]
     # all but what arrived with the head went straight into a payload buffer, held view or not: a

@@ -5,8 +5,11 @@ import struct
 import cbor2
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgert.transport import Envelope, decode_envelope, encode_envelope
+from edgert.transport import envelope as envelope_module
 from edgert.transport.envelope import encode_envelope_parts
 from edgert.transport.errors import MalformedMessage, TooLarge, UnsupportedContentFormat
 from edgert.transport.limits import Limits
@@ -135,3 +138,81 @@ def test_parts_reference_tensor_data_and_join_to_the_wire_bytes():
     assert any(np.shares_memory(np.frombuffer(part, np.uint8), env.tensors["h"])
                for part in parts if isinstance(part, memoryview))
     assert all(len(part) == memoryview(part).nbytes for part in parts)  # lengths are byte counts
+
+
+# -- the tensor path's envelopes, read in one pass ---------------------------------------------
+
+DTYPE_NAMES = ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "uint64")
+
+tensor_path_envelopes = st.builds(
+    lambda kind, run_id, step, microbatch, stage, arrays: Envelope(
+        kind, run_id=run_id, step=step, microbatch=microbatch, stage=stage, tensors=arrays),
+    st.sampled_from(("activations", "gradients", "weights", "a.b-c_9")),
+    st.text(max_size=12),
+    st.integers(0, 2**63 - 1), st.integers(0, 300), st.integers(0, 70_000),
+    st.dictionaries(
+        st.text(min_size=1, max_size=6),
+        st.builds(lambda dtype, shape: np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape),
+                  st.sampled_from(DTYPE_NAMES), st.lists(st.integers(0, 5), max_size=3)),
+        max_size=3),
+)
+
+
+def same(one, other, codecs=True):
+    assert (one.kind, one.run_id, one.step, one.microbatch, one.stage) == (
+        other.kind, other.run_id, other.step, other.microbatch, other.stage)
+    assert one.meta == other.meta and list(one.tensors) == list(other.tensors)
+    assert not codecs or one.codecs == other.codecs
+    for name, array in one.tensors.items():
+        assert array.dtype == other.tensors[name].dtype and array.shape == other.tensors[name].shape
+        assert array.tobytes() == other.tensors[name].tobytes()  # (a flipped byte may make a NaN)
+
+
+@given(tensor_path_envelopes)
+@settings(max_examples=200, deadline=None, derandomize=True)
+def test_the_one_pass_reader_reads_what_the_general_reader_reads(env):
+    payload = bytearray(encode_envelope(env))
+    fast = envelope_module._decode_canonical(memoryview(payload), Limits())  # raises if it would not take it
+    same(fast, envelope_module._decode_general(payload, Limits()))
+    same(fast, env, codecs=False)
+    for array in fast.tensors.values():
+        if array.size and array.dtype.itemsize > 1:  # the wire is little-endian; so is this host: a view
+            assert np.shares_memory(array, np.frombuffer(payload, np.uint8)) and array.flags.writeable
+
+
+@given(tensor_path_envelopes, st.data())
+@settings(max_examples=300, deadline=None, derandomize=True)
+def test_the_one_pass_reader_takes_nothing_the_general_reader_refuses(env, data):
+    """Any damage to a tensor-path envelope either leaves the one-pass reader out or gives the same envelope."""
+    payload = bytearray(encode_envelope(env))
+    damage = data.draw(st.sampled_from(("flip", "truncate", "extend")))
+    if damage == "flip":
+        at = data.draw(st.integers(0, len(payload) - 1))
+        payload[at] = data.draw(st.integers(0, 255))
+    elif damage == "truncate":
+        del payload[data.draw(st.integers(0, len(payload) - 1)):]
+    else:
+        payload += data.draw(st.binary(min_size=1, max_size=4))
+    limits = Limits()
+    try:
+        fast = envelope_module._decode_canonical(memoryview(payload), limits)
+    except (envelope_module._NotCanonical, IndexError, UnicodeDecodeError):
+        return
+    same(fast, envelope_module._decode_general(payload, limits))
+
+
+@pytest.mark.parametrize("limits, error, message", [
+    (Limits(max_tensors=1), TooLarge, "2 tensors exceed the limit of 1"),
+    (Limits(max_decoded_bytes=25), TooLarge, "decoded bytes"),
+    (Limits(max_tensor_bytes=16), TooLarge, "exceeds 16"),
+    (Limits(max_ndim=1), MalformedMessage, "tensor has 2 dimensions, limit is 1"),
+    (Limits(max_items=20), TooLarge, "more than 20 CBOR items"),
+    (Limits(max_string_bytes=4), TooLarge, "text string of 11 bytes exceeds 4"),
+    (Limits(max_depth=1), MalformedMessage, "nesting deeper than 1"),
+])
+def test_tensor_path_envelopes_at_a_limit_get_the_general_readers_error(limits, error, message):
+    payload = encode_envelope(make(meta={}))
+    assert envelope_module._decode_canonical(memoryview(payload), Limits()).step == 12
+    with pytest.raises(error) as info:
+        decode_envelope(payload, limits)
+    assert message in info.value.diagnostic
