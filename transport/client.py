@@ -62,7 +62,7 @@ from edgert.transport.message import Response
 from edgert.transport.observe import Observation
 from edgert.transport.oscore import OscoreRequests
 from edgert.transport.oscore_keys import OscoreKeys
-from edgert.transport.submission import Attempts, Submission
+from edgert.transport.submission import Attempts, Submission, WrittenRequests
 from edgert.transport.tls import TlsCredentials
 from edgert.transport.urls import format_url, parse_url
 
@@ -130,6 +130,7 @@ class TensorClient:
         self._resources: dict[tuple, tuple[dict, tuple[str, int | None], bytes]] = {}  # see _lean_head
         self.submissions: set[Submission] = set()
         """Submitted requests in flight (loop thread only); see :meth:`cancel_submissions`."""
+        self._written: WrittenRequests | None = None  # submitted requests written from other threads
 
     async def start(self) -> TensorClient:
         """Create the aiocoap context (also done lazily by the first request)."""
@@ -162,12 +163,15 @@ class TensorClient:
             context.request_interfaces.append(self._oscore)
         context.request_interfaces.append(tokens)
         self._context = context
+        self._written = WrittenRequests(loop)
         self._loop = loop
 
     async def cancel_submissions(self) -> None:
         """End every request still in flight (a submitted one's future cancelled, an awaited one's with
         PeerUnreachable) and wait until none runs: call before the connections close, so none fails after
         the loop is gone."""
+        if self._written is not None:
+            self._written.stop()
         submissions, self.submissions = self.submissions, set()
         tasks = [task for task in (submission.cancel() for submission in submissions) if task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -177,6 +181,7 @@ class TensorClient:
         await self.cancel_submissions()
         context, self._context = self._context, None
         self._loop = None
+        self._written = None
         self._resources.clear()
         self._starting = None
         self._udp_remotes.clear()
@@ -225,7 +230,8 @@ class TensorClient:
         A small frame over plaintext TCP is written from the calling thread itself.
         Anything else takes :meth:`request`'s path; timeouts, retries and errors are the same.
         """
-        if self._loop is None:
+        written = self._written
+        if self._loop is None or written is None:
             raise RuntimeError("start the client on its loop before submitting to it")
         attempts = self._attempts_of(method, url, path, payload, codec, content_format, timeout, retries)
         submission = Submission(self, attempts)
@@ -235,7 +241,7 @@ class TensorClient:
             return submission.future
         connection, token, head = lean
         if connection.write_from_thread(token, head, attempts.body, submission.settle):
-            self._loop.call_soon_threadsafe(submission.went_out, connection, token)  # the wait's timer; not urgent
+            written.add(submission, connection, token)  # its timer is armed in the loop's next round
         else:
             self._loop.call_soon_threadsafe(submission.go_lean, connection, token, head)
         return submission.future

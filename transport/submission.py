@@ -3,7 +3,8 @@
 :meth:`TensorClient.submit <edgert.transport.client.TensorClient.submit>` builds a request's frame in
 the calling thread (a worker's compute thread) and writes it on the pooled connection from there
 (plaintext TCP, frames up to 64 KiB: :meth:`~edgert.transport.coap_tcp.LargeTcpConnection.write_from_thread`;
-the loop then only arms the wait's timer), or hands it to the transport loop in one callback,
+the loop arms the wait's timer later, in rounds over what was written meanwhile: :class:`WrittenRequests`,
+so the write wakes nothing), or hands it to the transport loop in one callback,
 which writes it; the response settles a ``concurrent.futures.Future``
 straight from the protocol callback that parsed it. No coroutine, task or timeout context per
 request: a timer bounds the wait. :meth:`TensorClient.request` sends the same way from its own loop,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -80,16 +82,18 @@ class Submission:
         except coap_error.NetworkError as error:  # closed since the frame was built
             self._next_attempt(self._client.unreachable(*self._names, error, 0, self._attempts.retries))
             return
-        self._await_response(connection, token)
+        self._await_response(connection, token, connection.loop.time())
 
-    def went_out(self, connection: LargeTcpConnection, token: bytes) -> None:
-        """The frame was written from another thread (attempt 0): wait for its response with a timer."""
+    def went_out(self, connection: LargeTcpConnection, token: bytes, written_at: float) -> None:
+        """The frame was written from another thread at loop time ``written_at`` (attempt 0): wait for its
+        response until the attempt's timeout, counted from then."""
         if not self.future.done() and connection.awaits(token):  # else settled already (answered, or lost)
-            self._await_response(connection, token)
+            self._await_response(connection, token, written_at)
 
-    def _await_response(self, connection: LargeTcpConnection, token: bytes) -> None:
+    def _await_response(self, connection: LargeTcpConnection, token: bytes, since: float) -> None:
         self._connection, self._token = connection, token
-        self._timer = connection.loop.call_later(self._attempts.timeout, self._timed_out)
+        loop = connection.loop
+        self._timer = loop.call_later(max(0.0, since + self._attempts.timeout - loop.time()), self._timed_out)
         self._client.submissions.add(self)
 
     def go_slow(self) -> None:
@@ -192,6 +196,62 @@ class Submission:
     @property
     def _names(self) -> tuple[Code, str, str]:
         return self._attempts.code, self._attempts.url, self._attempts.path
+
+
+#: Seconds between the rounds in which a client's loop arms the response timers of requests written from
+#: other threads. A timer counts from the write, so this bounds how late it is armed, not when it fires;
+#: rounds spare the loop a wake per request, which under a pipeline's load costs as much as the request.
+ARM_INTERVAL = 0.05
+
+
+class WrittenRequests:
+    """Requests written from other threads whose response timers the client's loop has yet to arm: a round
+    every :data:`ARM_INTERVAL` while requests come, none while none do."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._written: list[tuple[Submission, LargeTcpConnection, bytes, float]] = []
+        self._scheduled = False  # a round is due (or the loop was asked for one)
+        self._round: asyncio.TimerHandle | None = None
+
+    def add(self, submission: Submission, connection: LargeTcpConnection, token: bytes) -> None:
+        """(Any thread.) ``submission``'s frame went out on ``connection`` just now: its timer is armed in the
+        next round (the loop is woken only if no round is due)."""
+        with self._lock:
+            self._written.append((submission, connection, token, self._loop.time()))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._next_round)
+
+    def _next_round(self) -> None:
+        self._round = self._loop.call_later(ARM_INTERVAL, self._arm)
+
+    def _arm(self) -> None:
+        """(Loop thread.) Arm the timers of the requests written since the last round; another round follows
+        if there were any."""
+        with self._lock:
+            written, self._written = self._written, []
+            self._scheduled = bool(written)
+        _went_out(written)
+        if written:
+            self._next_round()
+
+    def stop(self) -> None:
+        """(Loop thread.) Arm the timers of what was written and stop the rounds (the client is closing)."""
+        if self._round is not None:
+            self._round.cancel()
+            self._round = None
+        with self._lock:
+            written, self._written = self._written, []
+            self._scheduled = False
+        _went_out(written)
+
+
+def _went_out(written: list[tuple[Submission, LargeTcpConnection, bytes, float]]) -> None:
+    for submission, connection, token, written_at in written:
+        submission.went_out(connection, token, written_at)
 
 
 def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:

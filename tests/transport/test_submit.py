@@ -4,6 +4,7 @@ the attempts' path would."""
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from edgert.transport import (
     TensorServer,
 )
 from edgert.transport.limits import MiB
+from edgert.transport.submission import ARM_INTERVAL
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -319,3 +321,35 @@ def test_what_the_socket_did_not_take_is_written_by_the_loop_before_anything_els
     assert loop_side.result(10).envelope().microbatch == 77
     assert trickle.partial >= 1  # frames went out in part from the thread, the rest from the loop
     assert connection._handoff is None and not peers.client.submissions
+
+
+def test_thread_written_requests_wake_the_loop_once_a_round_and_their_timers_count_from_the_write(peers):
+    peers.submit("act", _activations(0)).result(10)  # first contact
+    wakes = []
+    call_soon_threadsafe = peers.client_loop.call_soon_threadsafe
+
+    def counted(callback, *args, **kwargs):
+        wakes.append(callback)
+        return call_soon_threadsafe(callback, *args, **kwargs)
+
+    peers.client_loop.call_soon_threadsafe = counted
+    try:
+        futures = [peers.submit("act", _activations(i)) for i in range(1, 41)]
+        for future in futures:
+            future.result(10)
+        threading.Event().wait(3 * ARM_INTERVAL)  # the rounds run dry and stop
+        assert len(peers.seen) == 41 and 1 <= len(wakes) <= 3, wakes  # not one wake per request
+        assert not peers.client._written._scheduled and not peers.client.submissions
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout, match=r"no response within 0.3 s \(attempt 1 of 1\)"):
+            peers.client.submit("POST", peers.url, "hang", b"x", timeout=0.3, retries=0).result(10)
+        assert 0.3 <= time.monotonic() - started < 0.3 + ARM_INTERVAL + 0.2
+    finally:
+        peers.client_loop.call_soon_threadsafe = call_soon_threadsafe
+
+
+def test_closing_ends_thread_written_requests_whose_timers_are_not_armed_yet(peers):
+    peers.submit("act", _activations(0)).result(10)
+    waiting = [peers.client.submit("POST", peers.url, "hang", b"x") for _ in range(3)]
+    _run(peers.client.cancel_submissions(), peers.client_loop)
+    assert all(future.cancelled() for future in waiting) and not peers.client.submissions
