@@ -53,18 +53,22 @@ def _options_end(buf: bytearray | bytes, start: int, end: int) -> int | None:
         ext = (delta > 12) * (delta - 12) + (length > 12) * (length - 12)
         if pos + ext > have:
             return None if pos + ext <= end else _bad("option header beyond message end")
-        if delta > 12:
-            pos += delta - 12
-        if length == 13:
-            length = buf[pos] + 13
-            pos += 1
-        elif length == 14:
-            length = int.from_bytes(buf[pos : pos + 2], "big") + 269
-            pos += 2
+        _, pos = extended(buf, pos, delta)
+        length, pos = extended(buf, pos, length)
         pos += length
         if pos > end:
             raise coap_error.UnparsableMessage("option value beyond message end")
     return end if have >= end else None  # no payload: complete only once the last option value is in
+
+
+def extended(buf: bytearray | bytes, pos: int, nibble: int) -> tuple[int, int]:
+    """An option header's delta or length: its ``nibble`` with the extension bytes at ``pos`` (RFC 7252
+    section 3.1; 13 and 14 take one and two bytes), and the position after them."""
+    if nibble == 13:
+        return buf[pos] + 13, pos + 1
+    if nibble == 14:
+        return int.from_bytes(buf[pos:pos + 2], "big") + 269, pos + 2
+    return nibble, pos
 
 
 def _bad(text: str):

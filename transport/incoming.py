@@ -19,6 +19,7 @@ from aiocoap import Message
 from aiocoap.message import Direction
 from aiocoap.numbers.codes import Code
 
+from edgert.transport.framing import extended
 from edgert.transport.message import Response
 
 #: Option numbers (RFC 7252 section 5.10) read off a frame without aiocoap.
@@ -94,20 +95,8 @@ def parse_plain(code: Code, token: bytes, frame: bytes | bytearray, start: int, 
     try:
         while pos < end:
             byte = frame[pos]
-            pos += 1
-            delta, length = byte >> 4, byte & 0x0F
-            if delta == 13:
-                delta = frame[pos] + 13
-                pos += 1
-            elif delta == 14:
-                delta = int.from_bytes(frame[pos:pos + 2], "big") + 269
-                pos += 2
-            if length == 13:
-                length = frame[pos] + 13
-                pos += 1
-            elif length == 14:
-                length = int.from_bytes(frame[pos:pos + 2], "big") + 269
-                pos += 2
+            delta, pos = extended(frame, pos + 1, byte >> 4)
+            length, pos = extended(frame, pos, byte & 0x0F)
             number += delta
             value = frame[pos:pos + length]
             pos += length
