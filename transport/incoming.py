@@ -4,10 +4,10 @@ The tensor path's messages carry only the options edgert uses: a request Uri-Pat
 and Uri-Query (and Uri-Host, Uri-Port and Accept, which the server ignores), a response
 Content-Format and Size1 (and Max-Age, which the client ignores). :func:`parse_plain` reads those
 from the frame's bytes, so such a message never becomes an aiocoap ``Message`` with its option
-objects (about a quarter of a small request's cost on the server). A message with any other option
-(Observe, Block1/Block2, No-Response, ETag, an unknown critical option ...) is left to aiocoap as
-before; :meth:`IncomingMessage.of` reads the same fields off an aiocoap request, so the server's
-checks and handlers see one kind of request whichever way it came.
+objects (what they cost: docs/RUNTIME.md). A message with any other option (Observe, Block1/Block2,
+No-Response, ETag, an unknown critical option ...) is left to aiocoap as before;
+:meth:`IncomingMessage.of` reads the same fields off an aiocoap request, so the server's checks and
+handlers see one kind of request whichever way it came.
 """
 
 from __future__ import annotations

@@ -29,9 +29,13 @@ pytestmark = pytest.mark.timeout(600)
 
 STEPS, BATCH, MICRO = 60, 32, 2
 
+#: The flood's run: long enough to outlast 40 copies of 8 MiB by far (60 steps took about as long, and a
+#: run that ended under the flood refused its connections).
+FLOOD_STEPS = 600
 
-def config(plan: Path, workers: LocalCluster, out: Path, **more) -> TrainConfig:
-    return TrainConfig(plan_dir=plan, workers=tuple(workers.urls), out_dir=out, steps=STEPS, epochs=10,
+
+def config(plan: Path, workers: LocalCluster, out: Path, steps: int = STEPS, **more) -> TrainConfig:
+    return TrainConfig(plan_dir=plan, workers=tuple(workers.urls), out_dir=out, steps=steps, epochs=100,
                        batch_size=BATCH, micro_batches=MICRO, schedule="1f1b", progress=False, central_every=10,
                        **{"listen": "coap+tcp://127.0.0.1:0", **more})
 
@@ -48,7 +52,7 @@ def kept_bytes(running: RunningCoordinator) -> int:
 
 def test_a_flood_of_copies_of_stages_the_plan_lacks_is_refused_and_kept_nowhere(mlp_plan3, tmp_path):
     with LocalCluster(3) as workers:
-        running = RunningCoordinator(config(mlp_plan3, workers, tmp_path / "run")).start()
+        running = RunningCoordinator(config(mlp_plan3, workers, tmp_path / "run", FLOOD_STEPS)).start()
         url = running.wait_training(announced=3)
         with SyncClient.start(ClientConfig(timeout=60.0, retries=0)) as client:
             client.request("PUT", url, REPLICA, copy(running.run_id, 99, 3, 8 * MiB, "warm-up"),
@@ -73,7 +77,7 @@ def test_a_flood_of_copies_of_stages_the_plan_lacks_is_refused_and_kept_nowhere(
     assert late.code.dotted == "4.00" and late.text.startswith(f"a copy after step {10**6}; this run has sent steps")
     assert over.code.dotted == "4.13" and "does not fit: the coordinator keeps" in over.text, over.text
     assert other.code.dotted == "4.00" and "a copy of run 'another-run'" in other.text
-    assert summary.steps == STEPS
+    assert summary.steps == FLOOD_STEPS
     assert not list((tmp_path / "run" / "snapshots").glob("step_*/stage[!012]*.cbor"))
     holdings = running.coordinator.recovery.central.holdings()
     assert {h.stage for h in holdings} == {0, 1, 2}
