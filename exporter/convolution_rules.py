@@ -2,9 +2,11 @@
 
 ``ConvGrad``, ``ConvTransposeGrad`` and ``AveragePoolGrad``, registered in
 ``gradient_rules.RULES`` like every other rule. Where speed is won or lost: a
-convolution's dX is a Conv (stride 1) or a ConvTranspose, and its dW either one GEMM per
-kernel offset (wide layers) or one Conv with batch and channels swapped (narrow and
-grouped layers), never a materialised im2col matrix.
+convolution's dX is a Conv (stride 1, not widening) or a ConvTranspose; its dW one GEMM
+per kernel offset (6 or more channels per group), one product and sum per offset
+(depthwise), or one Conv with batch and channels swapped (narrow and grouped layers),
+never a materialised im2col matrix; and each layout is chosen for what ORT copies fast
+(a transpose it can do as a matrix's, slices of long contiguous runs).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgert.exporter.gradient_rules import RuleContext, non_channel_axes, rule
+from edgert.exporter.gradient_rules import RuleContext, channel_sum, rule
 
 
 @dataclass(frozen=True)
@@ -67,39 +69,104 @@ def _window(c: RuleContext, spatial: tuple[int, ...], kernel: tuple[int, ...]) -
 
 
 # Below this many input channels per group, a product per kernel offset is too narrow for a fast GEMM.
-_NARROW_CHANNELS = 16
+_NARROW_CHANNELS = 6
+# Output rows at most this wide are sliced from a spatial-first copy of the source (see _weight_gradient).
+_SHORT_ROWS = 16
 
 
 def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
                      out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
     """dW[m, c, k] = sum over n, p of gradient[n, m, p] * source_padded[n, c, p * stride + k * dilation].
 
-    A wide layer takes one strided Slice of the (channels-first) source per kernel offset k
-    and one matrix product with the gradient for dW[:, :, k]; a narrow or grouped one is one
-    Conv (:func:`_swapped_weight_gradient`). Either is the work of ORT's ConvGrad (im2col and
-    GEMM) in standard operators.
+    A layer with 6 or more input channels takes one strided Slice of a transposed source per
+    kernel offset k and one matrix product with the gradient for dW[:, :, k]
+    (:func:`_matrix_weight_gradient`); a depthwise one, one product and one sum per offset
+    (:func:`_depthwise_weight_gradient`); a narrower or grouped one is one Conv
+    (:func:`_swapped_weight_gradient`). Each is the work of ORT's ConvGrad (im2col and GEMM)
+    in standard operators.
     """
-    if groups > 1 or weight_shape[1] < _NARROW_CHANNELS:
+    offsets = list(itertools.product(*(range(k) for k in window.kernel)))
+    source_spatial = c.type_of(source).static_dims(2)
+    depthwise = weight_shape[0] == groups and weight_shape[1] == 1
+    if depthwise and len(offsets) > 1 and source_spatial is not None:
+        _depthwise_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial, weight_shape,
+                                   output)
+    elif groups > 1 or weight_shape[1] < _NARROW_CHANNELS:
         _swapped_weight_gradient(c, source, gradient, window, groups, weight_shape, output)
-        return
+    else:
+        _matrix_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial, weight_shape,
+                                output)
+
+
+def _spatial_first(c: RuleContext, x: str) -> str:
+    """(N, C, spatial...) as (P, N, C), P the spatial positions: transposed as (N, C, P), which ORT does as a
+    matrix, where it moves (N, C, spatial...) element by element."""
+    return c.writer.op("Transpose", [c.writer.reshape(x, [0, 0, -1])], perm=[2, 0, 1])
+
+
+def _windows(c: RuleContext, source: str, window: _Window, offsets: list[tuple[int, ...]], axes: list[int],
+             pads: list[int], out_spatial: tuple[int, ...]) -> list[str]:
+    """The padded ``source``'s values under each kernel offset, one strided Slice along ``axes`` per offset."""
     w = c.writer
-    d = len(window.kernel)
-    spatial_axes = list(range(2, 2 + d))
-    channels_first = [1, 0, *spatial_axes]
-    in_channels, out_channels = weight_shape[1], weight_shape[0]
-    source_t = w.op("Transpose", [source], perm=channels_first)  # (C, N, spatial...)
-    if any(window.begin) or any(window.end):
-        source_t = w.op("Pad", [source_t, w.ints([0, 0, *window.begin, 0, 0, *window.end])])
-    rows = w.reshape(w.op("Transpose", [gradient], perm=channels_first), [out_channels, -1])  # (M, N*P)
-    products = []
-    for offset in itertools.product(*(range(k) for k in window.kernel)):
+    if any(pads):
+        source = w.op("Pad", [source, w.ints(pads)])
+    taken = []
+    for offset in offsets:
         starts = [o * dil for o, dil in zip(offset, window.dilations)]
         ends = [s + (n - 1) * stride + 1 for s, n, stride in zip(starts, out_spatial, window.strides)]
-        taken = w.op("Slice", [source_t, w.ints(starts), w.ints(ends), w.ints(spatial_axes), w.ints(window.strides)])
-        product = w.op("Gemm", [rows, w.reshape(taken, [in_channels, -1])], transB=1)  # (M, C)
-        products.append(w.unsqueeze(product, [-1]))
-    result = products[0] if len(products) == 1 else w.op("Concat", products, axis=-1)  # (M, C, K)
-    w.reshape(result, list(weight_shape), output=output)
+        taken.append(w.op("Slice", [source, w.ints(starts), w.ints(ends), w.ints(axes), w.ints(window.strides)]))
+    return taken
+
+
+def _stacked(c: RuleContext, per_offset: list[str], axis: int) -> str:
+    """The per-offset results joined along ``axis`` (a 1x1 kernel's one result as it is)."""
+    return per_offset[0] if len(per_offset) == 1 else c.writer.op("Concat", per_offset, axis=axis)
+
+
+def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window,
+                            offsets: list[tuple[int, ...]], source_spatial: tuple[int, ...] | None,
+                            out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
+    """dW[:, :, k] = gradient (M, N*P) x window_k (N*P, C), one Gemm per kernel offset k.
+
+    The source goes channels first, (C, N, spatial...), where a window's rows are long; where
+    they are short, spatial first, (spatial..., N, C), so that each row of a window is one run
+    of columns x N x C values rather than N x C runs of a few (docs/EXPORTER.md has the figures).
+    """
+    w = c.writer
+    d = len(window.kernel)
+    in_channels, out_channels = weight_shape[1], weight_shape[0]
+    spatial = list(range(2, 2 + d))
+    if len(offsets) > 1 and out_spatial[-1] <= _SHORT_ROWS and source_spatial is not None:
+        source_t = w.reshape(_spatial_first(c, source), [*source_spatial, -1, in_channels])  # (spatial..., N, C)
+        pads, axes = [*window.begin, 0, 0, *window.end, 0, 0], list(range(d))
+        rows = w.reshape(w.op("Transpose", [gradient], perm=[1, *spatial, 0]), [out_channels, -1])  # (M, P*N)
+        columns, transposed = [-1, in_channels], 0  # a window: (P*N, C)
+    else:
+        source_t = w.op("Transpose", [source], perm=[1, 0, *spatial])  # (C, N, spatial...)
+        pads, axes = [0, 0, *window.begin, 0, 0, *window.end], spatial
+        rows = w.reshape(w.op("Transpose", [gradient], perm=[1, 0, *spatial]), [out_channels, -1])  # (M, N*P)
+        columns, transposed = [in_channels, -1], 1  # a window: (C, N*P)
+    products = [w.unsqueeze(w.op("Gemm", [rows, w.reshape(taken, columns)], transB=transposed), [-1])  # (M, C, 1)
+                for taken in _windows(c, source_t, window, offsets, axes, pads, out_spatial)]
+    w.reshape(_stacked(c, products, -1), list(weight_shape), output=output)
+
+
+def _depthwise_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window,
+                               offsets: list[tuple[int, ...]], source_spatial: tuple[int, ...],
+                               out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
+    """dW[c, 0, k] = the sum over rows of gradient (P*N, C) * window_k (P*N, C), both spatial first.
+
+    The swapped Conv's one group per channel, each with a kernel as large as an image, is
+    several times slower in ORT than these whole-tensor products and column sums.
+    """
+    w = c.writer
+    d, channels = len(window.kernel), weight_shape[0]
+    rows = w.reshape(_spatial_first(c, gradient), [-1, channels])  # (P*N, C)
+    source_t = w.reshape(_spatial_first(c, source), [*source_spatial, -1, channels])  # (spatial..., N, C)
+    pads = [*window.begin, 0, 0, *window.end, 0, 0]
+    sums = [w.reduce("ReduceSum", w.op("Mul", [rows, w.reshape(taken, [-1, channels])]), [0])  # (1, C)
+            for taken in _windows(c, source_t, window, offsets, list(range(d)), pads, out_spatial)]
+    w.reshape(w.op("Transpose", [_stacked(c, sums, 0)], perm=[1, 0]), list(weight_shape), output=output)
 
 
 def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
@@ -120,20 +187,19 @@ def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window:
     w.op("Transpose", [cropped], outputs=[output], perm=[1, 0, *range(2, 2 + d)])
 
 
-def _bias_gradient(c: RuleContext, gradient: str, rank: int, output: str) -> None:
-    c.writer.reduce("ReduceSum", gradient, non_channel_axes(rank), keepdims=False, output=output)
-
-
 def _input_gradient(c: RuleContext, dy: str, weight: str, window: _Window, groups: int,
                     weight_shape: tuple[int, ...], x_spatial: tuple[int, ...], out_spatial: tuple[int, ...],
                     output: str) -> None:
-    """A convolution's dX: ConvTranspose(dY, W); with stride 1, the equal and faster "full" Conv of dY
-    with W's kernels flipped and its input and output channels swapped within each group."""
+    """A convolution's dX: ConvTranspose(dY, W); with stride 1, where the layer does not widen its channels,
+    the equal and faster "full" Conv of dY with W's kernels flipped and its input and output channels
+    swapped within each group (a widening layer's dX is faster as ConvTranspose: its im2col is of the
+    narrower side)."""
     w = c.writer
     d = len(window.kernel)
     pads = [window.span(a) - 1 - window.begin[a] for a in range(d)] + \
            [window.span(a) - 1 - window.end[a] for a in range(d)]
-    if any(s != 1 for s in window.strides) or min(pads) < 0:
+    widens = weight_shape[0] // groups > weight_shape[1]
+    if any(s != 1 for s in window.strides) or min(pads) < 0 or widens:
         w.op("ConvTranspose", [dy, weight], outputs=[output], group=groups,
              **window.transposed(x_spatial, out_spatial))
         return
@@ -160,7 +226,7 @@ def conv_grad(c: RuleContext) -> None:
     if c.output(1):
         _weight_gradient(c, x, dy, window, groups, out_spatial, weight_shape, c.output(1))
     if c.output(2):
-        _bias_gradient(c, dy, len(weight_shape), c.output(2))
+        channel_sum(c, dy, dy, c.output(2))
 
 
 @rule("ConvTransposeGrad")
@@ -179,7 +245,7 @@ def conv_transpose_grad(c: RuleContext) -> None:
     if c.output(1):
         _weight_gradient(c, dy, x, window, groups, x_spatial, weight_shape, c.output(1))
     if c.output(2):
-        _bias_gradient(c, dy, len(weight_shape), c.output(2))
+        channel_sum(c, dy, dy, c.output(2))
 
 
 def _average_counts(window: _Window, spatial: tuple[int, ...], out: tuple[int, ...], include_pad: bool) -> np.ndarray:

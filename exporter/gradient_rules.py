@@ -377,19 +377,31 @@ def broadcast_gradient_args(c: RuleContext) -> None:
 # -- normalisation -----------------------------------------------------------------------------
 
 
-def non_channel_axes(rank: int) -> list[int]:
-    return [0, *range(2, rank)]
+# ReduceSum over [0, 2, ...] walks runs as long as an image; up to this many values an image, the batch goes first.
+_SMALL_IMAGE = 16
 
 
-def _affine(c: RuleContext, x: str, scale: str, bias: str, gamma: str) -> str:
-    """``x * scale + bias`` per channel in one pass: an inference-mode BatchNormalization with mean 0, variance 1.
+def channel_sum(c: RuleContext, value: str, like: str, output: str | None = None) -> str:
+    """The sum over every axis but the channels (axis 1) of ``value``, shaped like ``like`` (N, C, spatial...)."""
+    w = c.writer
+    kind = c.type_of(like)
+    spatial = kind.static_dims(2)
+    if kind.rank > 2 and spatial is not None and math.prod(spatial) <= _SMALL_IMAGE:
+        per_channel = w.reduce("ReduceSum", value, [0], keepdims=False)  # (C, spatial...)
+        return w.reduce("ReduceSum", per_channel, list(range(1, kind.rank - 1)), keepdims=False, output=output)
+    return w.reduce("ReduceSum", value, [0, *range(2, kind.rank)], keepdims=False, output=output)
+
+
+def _affine(c: RuleContext, x: str, scale: str, bias: str | None, gamma: str) -> str:
+    """``x * scale + bias`` (no bias: ``x * scale``) per channel in one pass: an inference-mode BatchNormalization
+    with mean 0, variance 1. A Mul broadcasting over ``[1, C, 1, ...]`` is several times slower on small images.
 
     ``gamma`` is the BatchNorm's scale: it gives the channel count and the element type.
     """
     w = c.writer
     channels, dtype = c.static(gamma, what="the shape"), c.type_of(gamma).numpy_dtype
     zeros, ones = w.const(np.zeros(channels), dtype, hint="zeros"), w.const(np.ones(channels), dtype, hint="ones")
-    return w.op("BatchNormalization", [x, scale, bias, zeros, ones], epsilon=0.0)
+    return w.op("BatchNormalization", [x, scale, zeros if bias is None else bias, zeros, ones], epsilon=0.0)
 
 
 @rule("BatchNormInternal")
@@ -432,17 +444,15 @@ def batch_norm_grad(c: RuleContext) -> None:
     """
     w = c.writer
     dy, x, gamma, mean, inv_std = (c.input(i) for i in range(5))
-    axes = non_channel_axes(c.type_of(x).rank)
     x_hat = _affine(c, x, inv_std, w.op("Neg", [w.op("Mul", [mean, inv_std])]), gamma)
-    d_beta = w.reduce("ReduceSum", dy, axes, keepdims=False)
-    d_gamma = w.reduce("ReduceSum", w.op("Mul", [dy, x_hat]), axes, keepdims=False)
+    d_beta = channel_sum(c, dy, x)
+    d_gamma = channel_sum(c, w.op("Mul", [dy, x_hat]), x)
     if c.output(0):
         count = w.cast(w.op("Div", [w.op("Size", [x]), w.op("Size", [gamma])]), c.type_of(x).elem_type)
         gain = w.op("Mul", [gamma, inv_std])
         shrink = w.op("Neg", [w.op("Div", [gain, count])])
         correction = _affine(c, x_hat, w.op("Mul", [shrink, d_gamma]), w.op("Mul", [shrink, d_beta]), gamma)
-        scaled = w.op("Mul", [dy, w.channel_view(gain, c.type_of(x).rank)])
-        w.op("Add", [scaled, correction], outputs=[c.output(0)])
+        w.op("Add", [_affine(c, dy, gain, None, gamma), correction], outputs=[c.output(0)])
     if c.output(1):
         w.identity(d_gamma, c.output(1))
     if c.output(2):

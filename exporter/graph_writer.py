@@ -112,7 +112,3 @@ class GraphWriter:
     def cast(self, x: str, elem_type: int) -> str:
         """``x`` as ``elem_type`` (an ``onnx.TensorProto`` enum)."""
         return self.op("Cast", [x], to=elem_type)
-
-    def channel_view(self, x: str, rank: int) -> str:
-        """A per-channel vector ``[C]`` reshaped to ``[1, C, 1, ...]`` for broadcasting against rank ``rank``."""
-        return self.reshape(x, [1, -1] + [1] * (rank - 2))

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto
 
 from edgert.exporter.errors import PortabilityError
-from tests.exporter.portable_cases import F, compare, gradient_graph, numeric_reference, single_op
+from tests.exporter.portable_cases import F, both_forms, compare, gradient_graph, numeric_reference, single_op
 
 TOLERANCE = 1e-5
 rng = np.random.default_rng(7)
@@ -20,8 +20,8 @@ def p(*shape, positive=False):
     return np.abs(value) + 0.5 if positive else value
 
 
-def bn(channels, rank=4, **attrs):
-    shape = ["N", channels] + [5] * (rank - 2)
+def bn(channels, rank=4, size=5, **attrs):
+    shape = ["N", channels] + [size] * (rank - 2)
     return single_op("BatchNormalization", {"x": (F, shape)},
                      {"s": p(channels), "b": p(channels), "m": p(channels), "v": p(channels, positive=True)},
                      extra_outputs=2, training_mode=1, **attrs), {"x", "s", "b"}, ("extra0", "extra1")
@@ -50,6 +50,7 @@ CASES = {
     "gelu_exact": (single_op("Div", {"x": (F, ["N", 6])}, {"c": np.float32(2 ** 0.5)}), {"x"}, ()),
     "batchnorm_2d": bn(4),
     "batchnorm_small_channels": bn(3),
+    "batchnorm_small_image": bn(4, size=3),  # per-channel sums over the batch first
     "batchnorm_1d": bn(5, rank=3),
     "batchnorm_momentum": bn(4, momentum=0.7, epsilon=1e-3),
     "layernorm_last": (single_op("LayerNormalization", {"x": (F, ["N", 3, 8])}, {"s": p(8), "b": p(8)},
@@ -61,7 +62,15 @@ CASES = {
     "conv_grouped": conv((4, 6, 6), (6, 2, 3, 3), group=2, pads=[1, 1, 1, 1]),
     "conv_grouped_wide": conv((32, 5, 5), (8, 16, 3, 3), group=2, pads=[1, 1, 1, 1]),
     "conv_wide": conv((20, 5, 5), (6, 20, 3, 3), strides=[2, 2]),
+    # Wide layers' dW: rows of at most 16 outputs are sliced spatial first, longer ones channels first.
+    "conv_wide_short_rows": conv((16, 7, 6), (3, 16, 3, 2), strides=[2, 1], dilations=[1, 2], pads=[1, 0, 2, 1]),
+    "conv_wide_long_rows": conv((16, 18, 18), (4, 16, 3, 3), pads=[1, 1, 1, 1]),
+    "conv_wide_pointwise": conv((16, 4, 4), (3, 16, 1, 1), strides=[2, 2], bias=False),
+    "conv_wide_3d": conv((16, 3, 4, 4), (2, 16, 2, 2, 2), pads=[0, 1, 0, 1, 0, 1]),
+    "conv_six_channels": conv((6, 5, 5), (4, 6, 3, 3), pads=[1, 1, 1, 1]),  # the narrowest with a Gemm per offset
     "conv_depthwise_strided": conv((4, 7, 7), (4, 1, 3, 3), group=4, strides=[2, 2], pads=[1, 1, 1, 1]),
+    "conv_depthwise_dilated": conv((3, 6, 5), (3, 1, 2, 3), group=3, dilations=[2, 1], pads=[1, 0, 0, 2]),
+    "conv_depthwise_multiplier": conv((3, 5, 5), (6, 1, 3, 3), group=3, pads=[1, 1, 1, 1]),  # the swapped Conv
     "conv_pointwise": conv((5, 4, 4), (3, 5, 1, 1), bias=False),
     "conv_1d": conv((3, 10), (4, 3, 3), strides=[2]),
     "conv_3d": conv((2, 4, 4, 4), (3, 2, 2, 2, 2)),
@@ -141,6 +150,28 @@ def test_cases_exercise_the_rewrites():
             "BatchNormInternal", "BatchNormalizationGrad", "LayerNormalizationGrad", "ConvGrad",
             "ConvTransposeGrad", "MaxPoolGrad", "AveragePoolGrad", "Scale", "GatherGrad", "ConcatTraining",
             "SplitTraining", "SliceGrad", "BroadcastGradientArgs", "DivGrad"} <= reached
+
+
+@pytest.mark.parametrize("case, layout", [("conv_wide_short_rows", [2, 0, 1]), ("conv_wide_3d", [2, 0, 1]),
+                                          ("conv_wide_long_rows", [1, 0, 2, 3]), ("conv_wide_pointwise", [1, 0, 2, 3])])
+def test_a_wide_convolutions_weight_gradient_transposes_its_input_for_its_rows(case, layout):
+    """Short output rows (and several kernel offsets): the input as (N, C, P) -> (P, N, C); the rest channels first."""
+    model, requires_grad, also = CASES[case]
+    _, portable = both_forms(model, requires_grad, also)
+    reshaped = {n.output[0] for n in portable.graph.node if n.op_type == "Reshape" and n.input[0] == "x"}
+    transposed = [list(n.attribute[0].ints) for n in portable.graph.node
+                  if n.op_type == "Transpose" and n.input[0] in {"x", *reshaped}]
+    assert transposed == [layout]
+
+
+@pytest.mark.parametrize("case, form", [("conv_wide_long_rows", "Conv"), ("conv_grouped_wide", "Conv"),
+                                        ("conv_3d", "ConvTranspose"), ("conv_grouped", "ConvTranspose"),
+                                        ("conv_stride_dilation", "ConvTranspose")])
+def test_a_convolutions_input_gradient_is_a_flipped_conv_unless_strided_or_widening(case, form):
+    """Stride 1 and no more output than input channels per group: a Conv of dY; otherwise ConvTranspose."""
+    model, requires_grad, also = CASES[case]
+    _, portable = both_forms(model, requires_grad, also)
+    assert [n.op_type for n in portable.graph.node if "x_grad" in n.output] == [form]
 
 
 def test_an_operator_without_a_portable_form_is_named():
