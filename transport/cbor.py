@@ -57,6 +57,22 @@ def head_widths(value: int) -> tuple[int, ...]:
     return ((0,) if value < 24 else ()) + tuple(widths)
 
 
+class _Unencodable(Exception):
+    """Raised inside :meth:`Writer.encode` and turned into ``kind`` with the path of the item at fault."""
+
+    def __init__(self, kind: type[Exception], reason: str):
+        super().__init__(reason)
+        self.kind, self.reason, self.where = kind, reason, ""
+
+
+_HEADS = {major: [bytes((major << 5 | value,)) for value in range(24)] for major in range(8)}
+
+
+def _head(major: int, value: int) -> bytes:
+    """:func:`head` in the shortest width, from a table for the arguments under 24."""
+    return _HEADS[major][value] if value < 24 else head(major, value)
+
+
 class Writer:
     """Collects the encoding of one CBOR item as a list of parts; large buffers are kept by reference."""
 
@@ -75,7 +91,55 @@ class Writer:
         self.write(head(major, value, width))
 
     def encode(self, obj: Any, _path: str = "$") -> None:
-        """Append ``obj`` (None, bool, int, float, str, bytes, list/tuple, dict with str keys, or via ``default``)."""
+        """Append ``obj`` (None, bool, int, float, str, bytes, list/tuple, dict with str keys, or via ``default``).
+
+        What cannot be encoded raises TypeError or ValueError naming where it is (``$.reports[0].spans``).
+        """
+        try:
+            self._item(obj)
+        except _Unencodable as problem:
+            raise problem.kind(f"{_path}{problem.where}: {problem.reason}") from None
+
+    def _item(self, obj: Any) -> None:
+        # Exact types first (the meta of every report is dicts, lists, str, int, float), then the general rules.
+        kind = type(obj)
+        if kind is str:
+            data = obj.encode("utf-8")
+            self._append(_head(MAJOR_TEXT, len(data)) + data)
+        elif kind is int and 0 <= obj < 1 << 64:
+            self._append(_head(MAJOR_UINT, obj))
+        elif kind is float:
+            self._append(b"\xfb" + _FLOAT64.pack(obj))
+        elif kind is dict:
+            self._append(_head(MAJOR_MAP, len(obj)))
+            for key, value in obj.items():
+                if type(key) is not str:
+                    self._key(key)
+                else:
+                    data = key.encode("utf-8")
+                    self._append(_head(MAJOR_TEXT, len(data)) + data)
+                try:
+                    self._item(value)
+                except _Unencodable as problem:  # the path is only built for an error
+                    problem.where = f".{key}{problem.where}"
+                    raise
+        elif kind is list or kind is tuple:
+            self._append(_head(MAJOR_ARRAY, len(obj)))
+            for index, item in enumerate(obj):
+                try:
+                    self._item(item)
+                except _Unencodable as problem:
+                    problem.where = f"[{index}]{problem.where}"
+                    raise
+        else:
+            self._other(obj)
+
+    def _key(self, key: Any) -> None:
+        if not isinstance(key, str):
+            raise _Unencodable(TypeError, f"map keys must be str, got {type(key).__name__} {key!r}")
+        self._item(str(key))
+
+    def _other(self, obj: Any) -> None:
         if obj is None:
             self.write(b"\xf6")
         elif obj is True:
@@ -88,32 +152,27 @@ class Writer:
             elif -(1 << 64) <= obj < 0:
                 self.head(MAJOR_NINT, -1 - obj)
             else:
-                raise ValueError(f"{_path}: integer {obj} is outside the CBOR 64-bit range")
+                raise _Unencodable(ValueError, f"integer {obj} is outside the CBOR 64-bit range")
         elif isinstance(obj, float):
             self.write(b"\xfb" + _FLOAT64.pack(obj))
         elif isinstance(obj, str):
-            data = obj.encode("utf-8")
-            self.head(MAJOR_TEXT, len(data))
-            self.write(data)
+            self._item(str(obj))
         elif isinstance(obj, (bytes, bytearray, memoryview)):
             data = bytes(obj)
             self.head(MAJOR_BYTES, len(data))
             self.write(data)
         elif isinstance(obj, (list, tuple)):
-            self.head(MAJOR_ARRAY, len(obj))
-            for index, item in enumerate(obj):
-                self.encode(item, f"{_path}[{index}]")
+            self._item(list(obj))
         elif isinstance(obj, Mapping):
-            self.head(MAJOR_MAP, len(obj))
-            for key, value in obj.items():
-                if not isinstance(key, str):
-                    raise TypeError(f"{_path}: map keys must be str, got {type(key).__name__} {key!r}")
-                self.encode(key)
-                self.encode(value, f"{_path}.{key}")
+            self._item(dict(obj))
         elif self._default is not None and self._default(self, obj):
             pass
         else:
-            raise TypeError(f"{_path}: cannot encode {type(obj).__name__} as CBOR")
+            raise _Unencodable(TypeError, f"cannot encode {type(obj).__name__} as CBOR")
+
+    def _append(self, part: bytes) -> None:
+        self.parts.append(part)
+        self.size += len(part)
 
     def getvalue(self) -> bytes:
         """The encoded bytes (the one copy of any referenced buffer happens here)."""

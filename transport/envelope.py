@@ -195,8 +195,7 @@ def _write_meta(writer: cbor.Writer, meta: Mapping[str, Any]) -> None:
         plain.encode(dict(meta), "meta")
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"envelope {exc}") from None
-    for part in plain.parts:
-        writer.write(part)
+    writer.write(plain.getvalue())  # meta holds no tensors: one small join
 
 
 def _meta_default(writer: cbor.Writer, obj: Any) -> bool:

@@ -1,6 +1,7 @@
 """The CBOR subset: round trips, interop with cbor2 both ways, and refusal of every malformed input."""
 
 import math
+import types
 
 import cbor2
 import pytest
@@ -88,3 +89,23 @@ def test_encoder_refuses_what_it_cannot_represent():
         cbor.dumps(2**64)
     with pytest.raises(TypeError, match="cannot encode set"):
         cbor.dumps({1, 2})
+    with pytest.raises(TypeError, match=r"^\$\.reports\[1\]\.spans\[0\]: cannot encode set as CBOR$"):
+        cbor.dumps({"reports": [{"spans": []}, {"spans": [{1}]}]})
+    with pytest.raises(ValueError, match=r"^\$\.x\[2\]: integer -18446744073709551617 is outside"):
+        cbor.dumps({"x": (0, 1, -(2**64) - 1)})
+
+
+def test_encoder_writes_what_cbor2_reads_back():
+    """Exact types, their subclasses and mappings that are not dicts all encode as the plain values."""
+    class Name(str):
+        pass
+
+    class Count(int):
+        pass
+
+    value = {"text": "é", Name("sub"): Name("str"), "ints": [0, 23, 24, 2**64 - 1, -1, -(2**64), Count(7), True],
+             "floats": [1.5, float("inf")],
+             "nested": (None, False, b"\x00\xff", {"m": types.MappingProxyType({"k": 1})})}
+    assert cbor2.loads(cbor.dumps(value)) == {
+        "text": "é", "sub": "str", "ints": [0, 23, 24, 2**64 - 1, -1, -(2**64), 7, True], "floats": [1.5, float("inf")],
+        "nested": [None, False, b"\x00\xff", {"m": {"k": 1}}]}
