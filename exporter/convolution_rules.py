@@ -118,11 +118,6 @@ def _windows(c: RuleContext, source: str, window: _Window, offsets: list[tuple[i
     return taken
 
 
-def _stacked(c: RuleContext, per_offset: list[str], axis: int) -> str:
-    """The per-offset results joined along ``axis`` (a 1x1 kernel's one result as it is)."""
-    return per_offset[0] if len(per_offset) == 1 else c.writer.op("Concat", per_offset, axis=axis)
-
-
 def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window,
                             offsets: list[tuple[int, ...]], source_spatial: tuple[int, ...] | None,
                             out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
@@ -146,9 +141,13 @@ def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: 
         pads, axes = [0, 0, *window.begin, 0, 0, *window.end], spatial
         rows = w.reshape(w.op("Transpose", [gradient], perm=[1, 0, *spatial]), [out_channels, -1])  # (M, N*P)
         columns, transposed = [in_channels, -1], 1  # a window: (C, N*P)
-    products = [w.unsqueeze(w.op("Gemm", [rows, w.reshape(taken, columns)], transB=transposed), [-1])  # (M, C, 1)
+    products = [w.op("Gemm", [rows, w.reshape(taken, columns)], transB=transposed)  # (M, C)
                 for taken in _windows(c, source_t, window, offsets, axes, pads, out_spatial)]
-    w.reshape(_stacked(c, products, -1), list(weight_shape), output=output)
+    if len(products) == 1:
+        w.reshape(products[0], list(weight_shape), output=output)
+        return
+    stacked = w.reshape(w.op("Concat", products, axis=0), [len(offsets), out_channels, in_channels])  # (K, M, C)
+    w.reshape(w.op("Transpose", [stacked], perm=[1, 2, 0]), list(weight_shape), output=output)
 
 
 def _depthwise_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window,
@@ -166,7 +165,7 @@ def _depthwise_weight_gradient(c: RuleContext, source: str, gradient: str, windo
     pads = [*window.begin, 0, 0, *window.end, 0, 0]
     sums = [w.reduce("ReduceSum", w.op("Mul", [rows, w.reshape(taken, [-1, channels])]), [0])  # (1, C)
             for taken in _windows(c, source_t, window, offsets, list(range(d)), pads, out_spatial)]
-    w.reshape(w.op("Transpose", [_stacked(c, sums, 0)], perm=[1, 0]), list(weight_shape), output=output)
+    w.reshape(w.op("Transpose", [w.op("Concat", sums, axis=0)], perm=[1, 0]), list(weight_shape), output=output)
 
 
 def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,

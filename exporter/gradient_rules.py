@@ -445,18 +445,14 @@ def batch_norm_grad(c: RuleContext) -> None:
     w = c.writer
     dy, x, gamma, mean, inv_std = (c.input(i) for i in range(5))
     x_hat = _affine(c, x, inv_std, w.op("Neg", [w.op("Mul", [mean, inv_std])]), gamma)
-    d_beta = channel_sum(c, dy, x)
-    d_gamma = channel_sum(c, w.op("Mul", [dy, x_hat]), x)
+    d_beta = channel_sum(c, dy, x, output=c.output(2) or None)  # written as the outputs: no Identity
+    d_gamma = channel_sum(c, w.op("Mul", [dy, x_hat]), x, output=c.output(1) or None)
     if c.output(0):
         count = w.cast(w.op("Div", [w.op("Size", [x]), w.op("Size", [gamma])]), c.type_of(x).elem_type)
         gain = w.op("Mul", [gamma, inv_std])
         shrink = w.op("Neg", [w.op("Div", [gain, count])])
         correction = _affine(c, x_hat, w.op("Mul", [shrink, d_gamma]), w.op("Mul", [shrink, d_beta]), gamma)
         w.op("Add", [_affine(c, dy, gain, None, gamma), correction], outputs=[c.output(0)])
-    if c.output(1):
-        w.identity(d_gamma, c.output(1))
-    if c.output(2):
-        w.identity(d_beta, c.output(2))
 
 
 @rule("LayerNormalizationGrad")
