@@ -3,8 +3,8 @@
 ``ConvGrad``, ``ConvTransposeGrad`` and ``AveragePoolGrad``, registered in
 ``gradient_rules.RULES`` like every other rule. Where speed is won or lost: a
 convolution's dX is a Conv (stride 1, not widening) or a ConvTranspose; its dW one GEMM
-per kernel offset (6 or more channels per group), one product and sum per offset
-(depthwise), or one Conv with batch and channels swapped (narrow and grouped layers),
+per kernel offset (wide layers), one product and sum per offset (depthwise), or one Conv
+with batch and channels swapped (narrow and grouped layers), each as :data:`FORMS` chooses,
 never a materialised im2col matrix; and each layout is chosen for what ORT copies fast
 (a transpose it can do as a matrix's, slices of long contiguous runs).
 """
@@ -68,18 +68,26 @@ def _window(c: RuleContext, spatial: tuple[int, ...], kernel: tuple[int, ...]) -
     return _Window(kernel, strides, dilations, tuple(pads[:d]), tuple(pads[d:]))
 
 
-# Below this many input channels per group, a product per kernel offset is too narrow for a fast GEMM.
-_NARROW_CHANNELS = 6
-# Output rows at most this wide are sliced from a spatial-first copy of the source (see _weight_gradient).
-_SHORT_ROWS = 16
+@dataclass(frozen=True)
+class ConvForms:
+    """Which standard-operator form a convolution's gradients take, by the layer's shape (figures:
+    docs/EXPORTER.md; ``tools/conv_forms.py`` times each against the others, layer by layer)."""
+
+    narrow_channels: int = 6  # below this many input channels per group, dW is one swapped Conv
+    short_rows: int = 16  # output rows at most this wide: dW's windows come from a spatial-first copy
+    depthwise_products: bool = True  # depthwise dW as products and column sums (else the swapped Conv)
+    widening_transposed: bool = True  # a widening layer's stride-1 dX (kernel > 1x1) as ConvTranspose
+
+
+FORMS = ConvForms()
 
 
 def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
                      out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
     """dW[m, c, k] = sum over n, p of gradient[n, m, p] * source_padded[n, c, p * stride + k * dilation].
 
-    A layer with 6 or more input channels takes one strided Slice of a transposed source per
-    kernel offset k and one matrix product with the gradient for dW[:, :, k]
+    A layer with ``FORMS.narrow_channels`` or more input channels takes one strided Slice of a
+    transposed source per kernel offset k and one matrix product with the gradient for dW[:, :, k]
     (:func:`_matrix_weight_gradient`); a depthwise one, one product and one sum per offset
     (:func:`_depthwise_weight_gradient`); a narrower or grouped one is one Conv
     (:func:`_swapped_weight_gradient`). Each is the work of ORT's ConvGrad (im2col and GEMM)
@@ -88,10 +96,10 @@ def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window
     offsets = list(itertools.product(*(range(k) for k in window.kernel)))
     source_spatial = c.type_of(source).static_dims(2)
     depthwise = weight_shape[0] == groups and weight_shape[1] == 1
-    if depthwise and len(offsets) > 1 and source_spatial is not None:
+    if depthwise and FORMS.depthwise_products and len(offsets) > 1 and source_spatial is not None:
         _depthwise_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial, weight_shape,
                                    output)
-    elif groups > 1 or weight_shape[1] < _NARROW_CHANNELS:
+    elif groups > 1 or weight_shape[1] < FORMS.narrow_channels:
         _swapped_weight_gradient(c, source, gradient, window, groups, weight_shape, output)
     else:
         _matrix_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial, weight_shape,
@@ -131,7 +139,7 @@ def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: 
     d = len(window.kernel)
     in_channels, out_channels = weight_shape[1], weight_shape[0]
     spatial = list(range(2, 2 + d))
-    if len(offsets) > 1 and out_spatial[-1] <= _SHORT_ROWS and source_spatial is not None:
+    if len(offsets) > 1 and out_spatial[-1] <= FORMS.short_rows and source_spatial is not None:
         source_t = w.reshape(_spatial_first(c, source), [*source_spatial, -1, in_channels])  # (spatial..., N, C)
         pads, axes = [*window.begin, 0, 0, *window.end, 0, 0], list(range(d))
         rows = w.reshape(w.op("Transpose", [gradient], perm=[1, *spatial, 0]), [out_channels, -1])  # (M, P*N)
@@ -189,15 +197,16 @@ def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window:
 def _input_gradient(c: RuleContext, dy: str, weight: str, window: _Window, groups: int,
                     weight_shape: tuple[int, ...], x_spatial: tuple[int, ...], out_spatial: tuple[int, ...],
                     output: str) -> None:
-    """A convolution's dX: ConvTranspose(dY, W); with stride 1, where the layer does not widen its channels,
-    the equal and faster "full" Conv of dY with W's kernels flipped and its input and output channels
-    swapped within each group (a widening layer's dX is faster as ConvTranspose: its im2col is of the
-    narrower side)."""
+    """A convolution's dX: ConvTranspose(dY, W); with stride 1, unless the layer widens its channels with a
+    kernel larger than 1x1, the equal and faster "full" Conv of dY with W's kernels flipped and its input and
+    output channels swapped within each group (a widening layer's dX is faster as ConvTranspose: the flipped
+    Conv's im2col would be of the wider side; a 1x1 kernel has no im2col)."""
     w = c.writer
     d = len(window.kernel)
     pads = [window.span(a) - 1 - window.begin[a] for a in range(d)] + \
            [window.span(a) - 1 - window.end[a] for a in range(d)]
-    widens = weight_shape[0] // groups > weight_shape[1]
+    widens = (FORMS.widening_transposed and weight_shape[0] // groups > weight_shape[1]
+              and any(k > 1 for k in window.kernel))
     if any(s != 1 for s in window.strides) or min(pads) < 0 or widens:
         w.op("ConvTranspose", [dy, weight], outputs=[output], group=groups,
              **window.transposed(x_spatial, out_spatial))

@@ -72,6 +72,7 @@ CASES = {
     "conv_depthwise_dilated": conv((3, 6, 5), (3, 1, 2, 3), group=3, dilations=[2, 1], pads=[1, 0, 0, 2]),
     "conv_depthwise_multiplier": conv((3, 5, 5), (6, 1, 3, 3), group=3, pads=[1, 1, 1, 1]),  # the swapped Conv
     "conv_pointwise": conv((5, 4, 4), (3, 5, 1, 1), bias=False),
+    "conv_pointwise_widening": conv((3, 4, 4), (6, 3, 1, 1)),
     "conv_1d": conv((3, 10), (4, 3, 3), strides=[2]),
     "conv_3d": conv((2, 4, 4, 4), (3, 2, 2, 2, 2)),
 }
@@ -165,10 +166,11 @@ def test_a_wide_convolutions_weight_gradient_transposes_its_input_for_its_rows(c
 
 
 @pytest.mark.parametrize("case, form", [("conv_wide_long_rows", "Conv"), ("conv_grouped_wide", "Conv"),
+                                        ("conv_pointwise_widening", "Conv"),
                                         ("conv_3d", "ConvTranspose"), ("conv_grouped", "ConvTranspose"),
                                         ("conv_stride_dilation", "ConvTranspose")])
 def test_a_convolutions_input_gradient_is_a_flipped_conv_unless_strided_or_widening(case, form):
-    """Stride 1 and no more output than input channels per group: a Conv of dY; otherwise ConvTranspose."""
+    """Stride 1, unless the layer widens its channels with a kernel over 1x1: a Conv of dY; else ConvTranspose."""
     model, requires_grad, also = CASES[case]
     _, portable = both_forms(model, requires_grad, also)
     assert [n.op_type for n in portable.graph.node if "x_grad" in n.output] == [form]
