@@ -41,7 +41,7 @@ from edgert.exporter.loss import (
     add_real_loss,
     add_vjp_loss,
 )
-from edgert.exporter.ort_training import gradient_builder, onnxblock, training_graph_utils
+from edgert.exporter.ort_training import gradient_graph, onnxblock, training_graph_utils
 from edgert.exporter.portable import make_portable, tensor_types
 from edgert.exporter.slice import StageGraph, value_info_of
 from edgert.exporter.stash import split_for_stashing
@@ -177,17 +177,8 @@ def _state_tensors(stage: StageGraph) -> tuple[list[onnx.TensorProto], list[onnx
 
 
 def _build_gradients(model: onnx.ModelProto, requires_grad: set[str], stage: StageGraph) -> onnx.ModelProto:
-    builder_class, get_optimized_model = gradient_builder()  # first: it keeps onnxruntime from importing torch
-    from onnxruntime import SessionOptions
-
-    options = SessionOptions()
-    options.log_severity_level = 3
     try:
-        optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), requires_grad, options))
-        builder = builder_class(optimized.SerializeToString(), {SCALED_LOSS_OUTPUT}, requires_grad,
-                                SCALED_LOSS_OUTPUT, options)
-        builder.build()
-        return onnx.load_from_string(builder.get_model())
+        return gradient_graph(model, SCALED_LOSS_OUTPUT, requires_grad)
     except RuntimeError as error:
         raise GradientError(_explain_gradient_failure(str(error), stage)) from None
 

@@ -13,10 +13,13 @@ import importlib.util
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgert.errors import MissingDependencyError
 from edgert.ort_import import HOST_INSTALL, TRAINING_PACKAGE, onnxruntime, register_training_package, training_folder
+
+if TYPE_CHECKING:
+    import onnx
 
 
 def _register_bare_package() -> None:
@@ -76,3 +79,18 @@ def gradient_builder() -> tuple[Any, Any]:
     from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
     return GradientGraphBuilder, get_optimized_model
+
+
+def gradient_graph(model: onnx.ModelProto, loss: str, requires_grad: set[str]) -> onnx.ModelProto:
+    """ORT's gradient graph of ``loss`` with respect to ``requires_grad``, after the graph optimizations the
+    training build runs first (host only; ORT's RuntimeError where it cannot build one)."""
+    builder_class, get_optimized_model = gradient_builder()  # first: it keeps onnxruntime from importing torch
+    import onnx  # here only: the training API itself is importable without onnx
+    from onnxruntime import SessionOptions
+
+    options = SessionOptions()
+    options.log_severity_level = 3
+    optimized = get_optimized_model(model.SerializeToString(), requires_grad, options)
+    builder = builder_class(optimized, {loss}, requires_grad, loss, options)
+    builder.build()
+    return onnx.load_from_string(builder.get_model())

@@ -38,7 +38,7 @@ import onnx  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from edgert.exporter import convolution_rules  # noqa: E402
-from edgert.exporter.ort_training import gradient_builder  # noqa: E402
+from edgert.exporter.ort_training import gradient_graph  # noqa: E402
 from edgert.exporter.portable import make_portable, tensor_types  # noqa: E402
 from edgert.models import build_model, list_models  # noqa: E402
 
@@ -106,19 +106,6 @@ def zoo_layers() -> list[Layer]:
     return list(found)
 
 
-def gradient_graph(forward: onnx.ModelProto) -> onnx.ModelProto:
-    """The training build's gradient graph of ``loss`` with respect to ``x`` and ``W`` (as the exporter builds it)."""
-    builder_class, optimized = gradient_builder()
-    from onnxruntime import SessionOptions
-
-    options = SessionOptions()
-    options.log_severity_level = 3
-    model = onnx.load_from_string(optimized(forward.SerializeToString(), {"x", "W"}, options))
-    builder = builder_class(model.SerializeToString(), {"loss"}, {"x", "W"}, "loss", options)
-    builder.build()
-    return onnx.load_from_string(builder.get_model())
-
-
 def portable(graph: onnx.ModelProto, forward: onnx.ModelProto, forms: convolution_rules.ConvForms) -> onnx.ModelProto:
     chosen = convolution_rules.FORMS
     convolution_rules.FORMS = forms
@@ -140,7 +127,7 @@ def session(model: onnx.ModelProto):
 def measure(layer: Layer, batch: int, rounds: int) -> dict:
     """ms per run of each form of ``layer``'s gradients (interleaved rounds, medians) and the ratios."""
     forward = layer.forward()
-    graph = gradient_graph(forward)
+    graph = gradient_graph(forward, "loss", {"x", "W"})
     models = {"training": graph, "chosen": portable(graph, forward, convolution_rules.FORMS)}
     signature = [n.op_type for n in models["chosen"].graph.node]
     for name, change in ALTERNATIVES.items():

@@ -13,17 +13,9 @@ F = TensorProto.FLOAT
 
 def gradient_graph(forward: onnx.ModelProto, requires_grad: set[str]) -> onnx.ModelProto:
     """The training build's gradient graph of ``loss`` (ORT's optimiser first, as the exporter does)."""
-    from edgert.exporter.ort_training import gradient_builder
+    from edgert.exporter.ort_training import gradient_graph as build
 
-    builder_class, optimized = gradient_builder()  # first: it keeps onnxruntime from importing torch
-    from onnxruntime import SessionOptions
-
-    options = SessionOptions()
-    options.log_severity_level = 3
-    model = onnx.load_from_string(optimized(forward.SerializeToString(), requires_grad, options))
-    builder = builder_class(model.SerializeToString(), {"loss"}, requires_grad, "loss", options)
-    builder.build()
-    return onnx.load_from_string(builder.get_model())
+    return build(forward, "loss", requires_grad)
 
 
 def single_op(op_type: str, inputs: dict[str, tuple[int, list]], params: dict[str, np.ndarray] | None = None,
