@@ -126,6 +126,16 @@ def _windows(c: RuleContext, source: str, window: _Window, offsets: list[tuple[i
     return taken
 
 
+def _spatial_first_windows(c: RuleContext, source: str, source_spatial: tuple[int, ...], channels: int,
+                           window: _Window, offsets: list[tuple[int, ...]], out_spatial: tuple[int, ...]) -> list[str]:
+    """The source's windows taken from a spatial-first (spatial..., N, C) copy, each as (P*N, C)."""
+    w = c.writer
+    source_t = w.reshape(_spatial_first(c, source), [*source_spatial, -1, channels])
+    pads = [*window.begin, 0, 0, *window.end, 0, 0]
+    return [w.reshape(taken, [-1, channels])
+            for taken in _windows(c, source_t, window, offsets, list(range(len(window.kernel))), pads, out_spatial)]
+
+
 def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window,
                             offsets: list[tuple[int, ...]], source_spatial: tuple[int, ...] | None,
                             out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
@@ -136,21 +146,20 @@ def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: 
     of columns x N x C values rather than N x C runs of a few (docs/EXPORTER.md has the figures).
     """
     w = c.writer
-    d = len(window.kernel)
     in_channels, out_channels = weight_shape[1], weight_shape[0]
-    spatial = list(range(2, 2 + d))
+    spatial = list(range(2, 2 + len(window.kernel)))
     if len(offsets) > 1 and out_spatial[-1] <= FORMS.short_rows and source_spatial is not None:
-        source_t = w.reshape(_spatial_first(c, source), [*source_spatial, -1, in_channels])  # (spatial..., N, C)
-        pads, axes = [*window.begin, 0, 0, *window.end, 0, 0], list(range(d))
+        windows = _spatial_first_windows(c, source, source_spatial, in_channels, window, offsets, out_spatial)
         rows = w.reshape(w.op("Transpose", [gradient], perm=[1, *spatial, 0]), [out_channels, -1])  # (M, P*N)
-        columns, transposed = [-1, in_channels], 0  # a window: (P*N, C)
+        transposed = 0
     else:
         source_t = w.op("Transpose", [source], perm=[1, 0, *spatial])  # (C, N, spatial...)
-        pads, axes = [0, 0, *window.begin, 0, 0, *window.end], spatial
+        pads = [0, 0, *window.begin, 0, 0, *window.end]
+        windows = [w.reshape(taken, [in_channels, -1])  # (C, N*P)
+                   for taken in _windows(c, source_t, window, offsets, spatial, pads, out_spatial)]
         rows = w.reshape(w.op("Transpose", [gradient], perm=[1, 0, *spatial]), [out_channels, -1])  # (M, N*P)
-        columns, transposed = [in_channels, -1], 1  # a window: (C, N*P)
-    products = [w.op("Gemm", [rows, w.reshape(taken, columns)], transB=transposed)  # (M, C)
-                for taken in _windows(c, source_t, window, offsets, axes, pads, out_spatial)]
+        transposed = 1
+    products = [w.op("Gemm", [rows, taken], transB=transposed) for taken in windows]  # (M, C) each
     if len(products) == 1:
         w.reshape(products[0], list(weight_shape), output=output)
         return
@@ -167,12 +176,10 @@ def _depthwise_weight_gradient(c: RuleContext, source: str, gradient: str, windo
     several times slower in ORT than these whole-tensor products and column sums.
     """
     w = c.writer
-    d, channels = len(window.kernel), weight_shape[0]
+    channels = weight_shape[0]
     rows = w.reshape(_spatial_first(c, gradient), [-1, channels])  # (P*N, C)
-    source_t = w.reshape(_spatial_first(c, source), [*source_spatial, -1, channels])  # (spatial..., N, C)
-    pads = [*window.begin, 0, 0, *window.end, 0, 0]
-    sums = [w.reduce("ReduceSum", w.op("Mul", [rows, w.reshape(taken, [-1, channels])]), [0])  # (1, C)
-            for taken in _windows(c, source_t, window, offsets, list(range(d)), pads, out_spatial)]
+    sums = [w.reduce("ReduceSum", w.op("Mul", [rows, taken]), [0])  # (1, C)
+            for taken in _spatial_first_windows(c, source, source_spatial, channels, window, offsets, out_spatial)]
     w.reshape(w.op("Transpose", [w.op("Concat", sums, axis=0)], perm=[1, 0]), list(weight_shape), output=output)
 
 

@@ -71,6 +71,11 @@ class Layer:
     def weight_shape(self) -> tuple[int, int, int, int]:
         return self.out_channels, self.channels // self.groups, self.kernel, self.kernel
 
+    @property
+    def out_size(self) -> int:
+        """The output's image size ("same" padding)."""
+        return (self.size + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+
     def forward(self) -> onnx.ModelProto:
         """``loss = ReduceSum(Conv(x, W) * g)`` with "same" padding, so that dY = g. ``W`` is an input, as a
         stage's parameters are (an initializer would let ORT fold and prepack what depends on it alone)."""
@@ -79,7 +84,7 @@ class Layer:
                                   pads=[pad] * 4, group=self.groups),
                  helper.make_node("Mul", ["y", "g"], ["p"]),
                  helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0)]
-        out = (self.size + 2 * pad - self.kernel) // self.stride + 1
+        out = self.out_size
         inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", self.channels, self.size, self.size]),
                   helper.make_tensor_value_info("g", TensorProto.FLOAT, ["N", self.out_channels, out, out]),
                   helper.make_tensor_value_info("W", TensorProto.FLOAT, list(self.weight_shape))]
@@ -136,7 +141,7 @@ def measure(layer: Layer, batch: int, rounds: int) -> dict:
             models[name] = model
     sessions = {name: session(model) for name, model in models.items()}
     rng = np.random.default_rng(1)
-    out = (layer.size + 2 * (layer.kernel // 2) - layer.kernel) // layer.stride + 1
+    out = layer.out_size
     feeds = {"x": rng.standard_normal((batch, layer.channels, layer.size, layer.size)).astype(np.float32),
              "g": rng.standard_normal((batch, layer.out_channels, out, out)).astype(np.float32),
              "W": rng.standard_normal(layer.weight_shape).astype(np.float32)}
