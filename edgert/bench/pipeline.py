@@ -48,7 +48,6 @@ Run by ``edgert bench pipeline`` (edgert/cli/bench.py).
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -70,6 +69,7 @@ from edgert.exporter.ort_training import training_api
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, get_model_spec, load_dataset, save_model
 from edgert.schedule import simulate
+from edgert.worker.machine import usable_cores
 
 STAGES, MICRO_BATCHES = 4, 8  # the pipelined run
 WARMUP = 3  # steps every run takes before its rate is measured (session start-up, first calls): all alike
@@ -218,7 +218,7 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
     ratios["call_vs_bare_session"] = ratio(calls["bare_forward_ms"] + calls["bare_backward_ms"],
                                            calls["forward_ms"] + calls["backward_ms"], 3)
     ratios["fixed_share_of_backward"] = ratio(calls["backward_1row_ms"], calls["backward_ms"], 3)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     honest = cores >= CORES_PER_WORKER * STAGES
     headline = (f"slowdown 1 (real compute, {cores} cores: {CORES_PER_WORKER} or more per worker)" if honest else
                 f"slowdown {config.slowdown} (emulated devices; only {cores} cores for {STAGES} workers, so the "

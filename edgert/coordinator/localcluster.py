@@ -7,6 +7,7 @@ cluster learns the port from the worker's first line of output, keeps what it pr
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -26,8 +27,9 @@ class LocalCluster:
 
     def __init__(self, count: int, slowdowns: list[str] | None = None, names: list[str] | None = None,
                  log_dir: Path | None = None, start_timeout: float = 60.0, extra_args: list[str] | None = None,
-                 credentials: list[Path] | None = None):
-        """``credentials`` (one per worker) run them over coaps+tcp; without, plaintext (``--insecure``)."""
+                 credentials: list[Path] | None = None, cores: list[set[int]] | None = None):
+        """``credentials`` (one per worker) run them over coaps+tcp; without, plaintext (``--insecure``).
+        ``cores`` (one set per worker) pins each to those CPUs, as ``taskset`` would: a device of that many."""
         self.count = count
         self.credentials = credentials
         self.slowdowns = slowdowns or ["1"] * count
@@ -35,6 +37,7 @@ class LocalCluster:
         self.log_dir = log_dir
         self.start_timeout = start_timeout
         self.extra_args = extra_args or []
+        self.cores = cores
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.consoles: list[list[str]] = []  # what each worker printed after its "listening" line
@@ -67,11 +70,14 @@ class LocalCluster:
         command = [sys.executable, "-m", "edgert", "worker", *security, "--name", self.names[k],
                    option, slowdown, *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        pin = None if self.cores is None else functools.partial(os.sched_setaffinity, 0, self.cores[k])
         if self.log_dir is None:
-            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+                                    preexec_fn=pin)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{self.names[k]}.log", "ab") as stderr:  # the worker keeps its own descriptor
-            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True,
+                                    preexec_fn=pin)
 
     def _wait_for_url(self, k: int, process: subprocess.Popen) -> str:
         deadline = time.monotonic() + self.start_timeout

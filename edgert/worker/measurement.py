@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 from edgert.protocol import (
     ECHO,
@@ -24,6 +22,7 @@ from edgert.protocol import (
 from edgert.stage import StageSession
 from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.tls import COORDINATOR_ROLE
+from edgert.worker.machine import memory_bytes, usable_cores
 from edgert.worker.slowdown import SlowdownSchedule
 from edgert.worker.stage_timer import measure_stage, probe_link
 
@@ -56,8 +55,8 @@ class Measurement:
         """Measure a stage (not installed: the current one is untouched) at a micro-batch size."""
         assignment, files, options = self._read_profile(request.envelope)
         timing = await self._time_stage(assignment, files, options)
-        return Envelope(kind="control", meta={"timing": timing, "cores": os.cpu_count() or 1,
-                                              "memory_bytes": _available_memory(), "worker": self._name,
+        return Envelope(kind="control", meta={"timing": timing, "cores": usable_cores(),
+                                              "memory_bytes": memory_bytes(), "worker": self._name,
                                               "slowdown": str(self._slowdown)})
 
     def _read_profile(self, envelope: Envelope) -> tuple[StageAssignment, dict[str, bytes], ProfileOptions]:
@@ -91,13 +90,3 @@ class Measurement:
     async def _on_echo(self, request: Request) -> bytes:
         return b""
 
-
-def _available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes), 0 where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -23,6 +23,7 @@ import numpy as np
 
 from edgert.errors import EdgertError
 from edgert.transport.coap_tcp import DEFAULT_PORT
+from edgert.worker.machine import memory_bytes, usable_cores
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 MIN_PYTHON = (3, 10)
@@ -79,19 +80,11 @@ def _python() -> Finding:
 
 
 def _machine() -> Finding:
-    memory = _memory_bytes()
+    memory = memory_bytes("MemTotal")
     shown = f", {memory / 2**30:.1f} GiB memory" if memory else ""
-    return Finding("machine", OK, f"{platform.machine()}, {os.cpu_count()} cores{shown}, {platform.platform()}")
-
-
-def _memory_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    cores = usable_cores()
+    of = f" of {os.cpu_count()}" if os.cpu_count() and os.cpu_count() != cores else ""
+    return Finding("machine", OK, f"{platform.machine()}, {cores}{of} cores{shown}, {platform.platform()}")
 
 
 def _onnxruntime() -> Finding:

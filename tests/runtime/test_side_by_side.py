@@ -2,6 +2,7 @@
 its backwards, and train to the same parameters as one after the other."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -134,3 +135,13 @@ def test_profile_times_the_whole_model_at_more_threads_and_the_planner_fits_them
     (costs,) = replanner.problem([device.name]).devices
     assert (costs.forward_parallel, costs.backward_parallel) == (fractions.get("forward_parallel", 0.0),
                                                                  fractions.get("backward_parallel", 0.0))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_worker_pinned_to_one_core_reports_one_core_and_is_not_timed_at_more_threads(tmp_path):
+    from edgert.coordinator.profiling import profile_devices
+
+    save_model(build_model("mlp"), tmp_path / "mlp.onnx")
+    with LocalCluster(1, cores=[{min(os.sched_getaffinity(0))}]) as pinned:  # as under taskset
+        (device,) = profile_devices(tmp_path / "mlp.onnx", pinned.urls, repeats=1).devices
+    assert device.cores == 1 and device.scaling == ()
