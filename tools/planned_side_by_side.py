@@ -67,8 +67,8 @@ def described(placement: PlannedPlacement) -> dict:
 
 def measure(args: argparse.Namespace, folder: Path) -> dict:
     """Profile, plan both ways, train alternately; the figures."""
-    save_model(build_model(args.model), folder / "model.onnx")
     cores = core_sets(args.workers, args.cores_per_worker)
+    save_model(build_model(args.model), folder / "model.onnx")
     shape = ["--batch-size", str(args.batch_size), "--micro-batches", str(args.micro_batches)]
     with LocalCluster(args.workers, cores=cores, names=[f"device-{k}" for k in range(args.workers)]) as cluster:
         print(f"profiling {args.model} on {args.workers} workers of {args.cores_per_worker} cores ...",

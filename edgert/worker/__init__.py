@@ -26,5 +26,7 @@ Map of the package (resources: docs/PROTOCOL.md §9; threads and schedules: docs
 - ``stage_timer.py``    :func:`measure_stage`, :func:`probe_link`: a stage's times and memory, a link's
 - ``slowdown.py``       :class:`SlowdownSchedule`, :class:`SlowdownEmulator`: emulated device speed (``--slowdown``)
 - ``readiness.py``      :func:`check_board`: is this board ready to be a worker (``edgert doctor``)
+- ``machine.py``        :func:`usable_cores`, :func:`memory_bytes`: the cores (its CPU affinity) and memory this
+  board reports
 - ``errors.py``         the worker's errors: the inbox's (aborted, timed out, skipped, full) and ``Busy`` (4.09)
 """
