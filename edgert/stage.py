@@ -83,6 +83,9 @@ class StageSession:
         self._flat = FlatParameters({n: initial[n] for n in self._trainable})
         self._values = {**self._flat.views, **{n: initial[n] for n in self._buffers}}
         self._gradient = self._flat.zeros()
+        # each trainable parameter's gradient output and its piece of the flat gradient (a call adds into it)
+        self._gradient_pieces = [(name + GRADIENT_SUFFIX, self._flat.piece(self._gradient, name))
+                                 for name in self._trainable]
         self._accumulated = 0
         forward_role, backward_role = ("forward_stash", "backward_stash") if self.stashing else ("eval", "backward")
         self._forward = _session(plan_dir / entry.artifact(forward_role).path, threads.forward, providers)
@@ -181,17 +184,20 @@ class StageSession:
         if not self.stashing:
             self._update_buffers(named)
         with self.lock:
-            for name in self._trainable:
-                piece = self._flat.piece(self._gradient, name)
-                if self._accumulated:
-                    piece += named[name + GRADIENT_SUFFIX]
-                else:
-                    piece[...] = named[name + GRADIENT_SUFFIX]
-            self._accumulated += 1
+            self._add_gradients(named)
         loss = float(named[LOSS_OUTPUT]) if LOSS_OUTPUT in named else None
         prediction = named.get(self.entry.outputs[0].name) if self.entry.is_last else None
         gradients = {self._gradient_to_input[k]: v for k, v in named.items() if k in self._gradient_to_input}
         return BackwardResult(loss=loss, prediction=prediction, input_gradients=gradients)
+
+    def _add_gradients(self, named: dict[str, np.ndarray]) -> None:
+        """Add one call's parameter gradients to the flat gradient (the first call since a step copies them)."""
+        for output, piece in self._gradient_pieces:
+            if self._accumulated:
+                piece += named[output]
+            else:
+                piece[...] = named[output]
+        self._accumulated += 1
 
     def step(self) -> None:
         """Apply the optimizer to the accumulated gradients, then clear them."""

@@ -34,7 +34,7 @@ def _ms_per_call(call: Callable[[], object], calls: int = CALLS) -> float:
 
 def call_costs(plan: Path, stage: int, rows: int) -> dict[str, float]:
     """ms per call of ``plan``'s stage ``stage`` (not the last) on ``rows`` rows: the runtime's forward and backward,
-    the bare sessions', and the runtime's backward on 1 row."""
+    the bare sessions', the runtime's backward on 1 row, and its gradient accumulation alone."""
     manifest = load_manifest(plan)
     entry = manifest.stages[stage]
     session = StageSession(entry, plan, manifest.training)
@@ -52,6 +52,10 @@ def call_costs(plan: Path, stage: int, rows: int) -> dict[str, float]:
     backward_feeds = {n: v for n, v in backward_feeds.items() if n in {i.name for i in session._backward.get_inputs()}}
     one_input, one_gradient = tensors(entry.inputs, 1), tensors(entry.outputs, 1)
 
+    outputs = session._backward_outputs
+    named = dict(zip(outputs, session._backward.run(outputs, backward_feeds)))
+    session._add_gradients(named)  # the calls timed below add, as every call after a step's first does
+
     def backward():
         session.backward(inputs, output_gradients=gradients)
         session.zero_grad()
@@ -64,4 +68,5 @@ def call_costs(plan: Path, stage: int, rows: int) -> dict[str, float]:
             "bare_forward_ms": _ms_per_call(lambda: session._forward.run(None, forward_feeds)),
             "backward_ms": _ms_per_call(backward),
             "bare_backward_ms": _ms_per_call(lambda: session._backward.run(None, backward_feeds)),
-            "backward_1row_ms": _ms_per_call(backward_one_row)}
+            "backward_1row_ms": _ms_per_call(backward_one_row),
+            "accumulate_ms": _ms_per_call(lambda: session._add_gradients(named))}

@@ -253,6 +253,7 @@ def format_table(outcome: dict[str, Any]) -> str:
     if call is not None:
         lines.append(f"per call (stage 1, {call['rows']} rows): forward {call['forward_ms']} ms (bare session "
                      f"{call['bare_forward_ms']}), backward {call['backward_ms']} ms (bare "
-                     f"{call['bare_backward_ms']}), backward of 1 row {call['backward_1row_ms']} ms")
+                     f"{call['bare_backward_ms']}; of which adding its gradients to the flat gradient "
+                     f"{call['accumulate_ms']}), backward of 1 row {call['backward_1row_ms']} ms")
     lines += ["", key_value_lines(outcome)]
     return "\n".join(lines)

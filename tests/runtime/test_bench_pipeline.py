@@ -63,6 +63,7 @@ def test_the_benchmark_prints_rows_and_ratios(tmp_path):
     # an idle hop costs more than the same bytes over a raw socket, and less than a step's worth of time
     assert 0 < hop["raw_tcp_median_ms"] < hop["median_ms"] < 50 and ratios["hop_vs_raw_tcp"] > 1
     assert 0 < call["bare_backward_ms"] and 0 < call["backward_1row_ms"] <= call["backward_ms"] * 1.5
+    assert 0 < call["accumulate_ms"] < call["backward_ms"]  # part of the runtime's backward
     assert 0 < ratios["call_vs_bare_session"] <= 1.2
     # this 2-core host cannot give each worker its cores: the emulated run is the headline, and it says so
     assert data["cores"] >= 16 or (data["headline"].startswith("slowdown 8") and data["headline_suffix"] == "")
