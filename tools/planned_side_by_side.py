@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from edgert.bench.pipeline import WARMUP
 from edgert.bench.runs import LISTEN, steady_rate
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.coordinator.runlog import read_metrics
@@ -37,7 +38,6 @@ from edgert.exporter.device_plan import PlannedPlacement, load_placement
 from edgert.models import build_model, save_model
 from edgert.worker.machine import usable_cores
 
-WARMUP = 3  # as edgert bench pipeline: steps before the rate is measured
 WAYS = {"one_after_the_other": "--one-after-the-other", "side_by_side": "--side-by-side"}
 
 
