@@ -73,24 +73,17 @@ def training_graph_utils() -> Any:
     return importlib.import_module(f"{TRAINING_PACKAGE}.onnxblock._training_graph_utils")
 
 
-def gradient_builder() -> tuple[Any, Any]:
-    """ORT's C++ ``GradientGraphBuilder`` and ``get_optimized_model`` bindings (host only)."""
-    _register_bare_package()
-    from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
-
-    return GradientGraphBuilder, get_optimized_model
-
-
 def gradient_graph(model: onnx.ModelProto, loss: str, requires_grad: set[str]) -> onnx.ModelProto:
     """ORT's gradient graph of ``loss`` with respect to ``requires_grad``, after the graph optimizations the
     training build runs first (host only; ORT's RuntimeError where it cannot build one)."""
-    builder_class, get_optimized_model = gradient_builder()  # first: it keeps onnxruntime from importing torch
+    _register_bare_package()  # first: it keeps onnxruntime from importing torch
     import onnx  # here only: the training API itself is importable without onnx
     from onnxruntime import SessionOptions
+    from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
     options = SessionOptions()
     options.log_severity_level = 3
     optimized = get_optimized_model(model.SerializeToString(), requires_grad, options)
-    builder = builder_class(optimized, {loss}, requires_grad, loss, options)
+    builder = GradientGraphBuilder(optimized, {loss}, requires_grad, loss, options)
     builder.build()
     return onnx.load_from_string(builder.get_model())

@@ -171,6 +171,7 @@ class Writer:
             raise _Unencodable(TypeError, f"cannot encode {type(obj).__name__} as CBOR")
 
     def _append(self, part: bytes) -> None:
+        """:meth:`write` for the bytes the encoder built itself: no buffer check (about 10% of a report's encoding)."""
         self.parts.append(part)
         self.size += len(part)
 

@@ -82,8 +82,8 @@ def _python() -> Finding:
 def _machine() -> Finding:
     memory = memory_bytes("MemTotal")
     shown = f", {memory / 2**30:.1f} GiB memory" if memory else ""
-    cores = usable_cores()
-    of = f" of {os.cpu_count()}" if os.cpu_count() and os.cpu_count() != cores else ""
+    cores, machine_cores = usable_cores(), os.cpu_count()
+    of = f" of {machine_cores}" if machine_cores and machine_cores != cores else ""
     return Finding("machine", OK, f"{platform.machine()}, {cores}{of} cores{shown}, {platform.platform()}")
 
 
