@@ -8,9 +8,10 @@ Per stage, in ``stage<k>/``:
   build only) and as ``edgert check``'s reference for the portable graphs;
 - ``backward.onnx``  the same graph without the accumulation buffers, made portable
   (exporter.portable: standard operators only, so stock onnxruntime runs it on any board):
-  it returns the parameter gradients (``<param>_grad``). The worker runs it in a plain
-  InferenceSession, which releases the GIL while it computes, so a worker keeps answering
-  its peers during a long backward;
+  it returns the parameter gradients (``<param>_grad``); a non-last stage's starts from the
+  next stage's gradients themselves, without the VJP loss (exporter.vjp_seed). The worker
+  runs it in a plain InferenceSession, which releases the GIL while it computes, so a worker
+  keeps answering its peers during a long backward;
 - ``forward_stash.onnx``, ``backward_stash.onnx`` (not on the last stage): the same graph
   split for activation stashing (exporter.stash): the forward also returns the tensors the
   backward needs, which then recomputes nothing;
@@ -45,6 +46,7 @@ from edgert.exporter.ort_training import gradient_graph, onnxblock, training_gra
 from edgert.exporter.portable import make_portable, tensor_types
 from edgert.exporter.slice import StageGraph, value_info_of
 from edgert.exporter.stash import split_for_stashing
+from edgert.exporter.vjp_seed import seed_from_gradients
 from edgert.manifest import BoundaryTensor, TrainingConfig
 from edgert.weights import StageState, save_state
 
@@ -109,16 +111,19 @@ def build_stage_artifacts(
         portable_model = make_portable(gradient_model, f"stage {stage.index} backward", forward_types)
     else:
         portable_model = gradient_model
-    _save(portable_model, files[BACKWARD])
     saved: tuple[str, ...] = ()
     if stage.is_last:
         del files[FORWARD_STASH], files[BACKWARD_STASH]
     else:
-        halves = split_for_stashing(portable_model, set(output_gradients.values()),
-                                    [t.name for t in stage.outputs] + list(stage.buffer_updates))
+        gradients = set(output_gradients.values())
+        forward_outputs = [t.name for t in stage.outputs] + list(stage.buffer_updates)
+        halves = split_for_stashing(seed_from_gradients(portable_model, gradients, keep=forward_outputs), gradients,
+                                    forward_outputs)
         _save(halves.forward, files[FORWARD_STASH])
         _save(halves.backward, files[BACKWARD_STASH])
         saved = tuple(halves.saved)
+        portable_model = seed_from_gradients(portable_model, gradients)
+    _save(portable_model, files[BACKWARD])
     training_graph_utils().build_gradient_accumulation_graph(gradient_model, set(stage.parameters))
     _save(gradient_model, files[TRAINING])
     _save(_eval_model(stage, state_names), files[EVAL])
