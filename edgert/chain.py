@@ -29,10 +29,11 @@ class StageChain:
     """Every stage of a plan, run in pipeline order in this process."""
 
     def __init__(self, plan_dir: str | Path, manifest: Manifest | None = None, threads: Threads = Threads(),
-                 memory_mode: str = "recompute"):
+                 memory_mode: str = "recompute", split_backward: bool = False):
         self.plan_dir = Path(plan_dir)
         self.manifest = manifest or load_manifest(self.plan_dir)
-        self.stages = [StageSession(entry, self.plan_dir, self.manifest.training, threads, memory_mode)
+        self.stages = [StageSession(entry, self.plan_dir, self.manifest.training, threads, memory_mode,
+                                    split_backward=split_backward)
                        for entry in self.manifest.stages]
 
     def train_batch(self, inputs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray],

@@ -25,20 +25,32 @@ MANIFEST_NAME = "manifest.json"
 BATCH = "N"
 
 ARTIFACT_ROLES = ("training", "backward", "forward_stash", "backward_stash", "eval", "infer", "optimizer",
-                  "checkpoint", "parameters")
+                  "checkpoint", "parameters", "backward_input", "backward_weight", "backward_stash_input",
+                  "backward_stash_weight")
 # What a worker needs to train its stage, all runnable by stock onnxruntime (the rest serve ORT's
 # own training API and the host, and need the training build).
 RUNTIME_ROLES = ("backward", "eval", "infer", "parameters")
 # ... and with activation stashing (a stage that is not the last).
 STASH_ROLES = ("forward_stash", "backward_stash")
+# ... and with the backward split (exporter/weight_split.py), by memory mode, where the stage has them.
+SPLIT_ROLES = {"recompute": ("backward_input", "backward_weight"),
+               "stash": ("backward_stash_input", "backward_stash_weight")}
 MEMORY_MODES = ("recompute", "stash")
 OPTIMIZERS = ("adamw", "sgd")  # TrainingConfig.optimizer (edgert.optimizer builds them)
 
 
-def needed_roles(entry: StageEntry, memory_mode: str = "recompute") -> tuple[str, ...]:
-    """The artifact roles a worker needs to train ``entry`` in ``memory_mode``."""
+def needed_roles(entry: StageEntry, memory_mode: str = "recompute", split_backward: bool = False) -> tuple[str, ...]:
+    """The artifact roles a worker needs to train ``entry`` in ``memory_mode`` (``split_backward``: with its
+    backward split in two, where the plan split it)."""
     stashing = memory_mode == "stash" and not entry.is_last
-    return RUNTIME_ROLES + (STASH_ROLES if stashing else ())
+    split = split_roles(entry, "stash" if stashing else "recompute") if split_backward else ()
+    return RUNTIME_ROLES + (STASH_ROLES if stashing else ()) + split
+
+
+def split_roles(entry: StageEntry, memory_mode: str) -> tuple[str, ...]:
+    """The roles of ``entry``'s split backward in ``memory_mode`` (docs/MANIFEST.md), or () where it has none."""
+    roles = SPLIT_ROLES[memory_mode]
+    return roles if all(entry.has_artifact(role) for role in roles) else ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,9 @@ class StageEntry:
             if artifact.role == role:
                 return artifact
         raise ManifestError(f"stage {self.index} has no {role!r} artifact")
+
+    def has_artifact(self, role: str) -> bool:
+        return any(artifact.role == role for artifact in self.artifacts)
 
 
 @dataclass(frozen=True)

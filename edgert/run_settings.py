@@ -40,6 +40,7 @@ class RunSettings:
     forward_threads: int = field(default=1, metadata=at_least(1))  # ORT intra-op threads, forward session
     backward_threads: int = field(default=1, metadata=at_least(1))  # ... and backward session
     side_by_side: bool = False  # a stage's forwards on a thread of their own, beside its backwards
+    split_backward: bool = False  # parameter gradients once a step, after the micro-batches' input gradients
     wait_timeout: float = field(default=120.0, metadata=above(0))  # seconds a stage waits for a tensor
     memory_mode: str = field(default="recompute", metadata=one_of(MEMORY_MODES))
     replicate_every: int = field(default=20, metadata=at_least(0))  # steps between copies to the next workers (0: off)

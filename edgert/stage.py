@@ -7,6 +7,10 @@ parameters and of the stage's inputs. Both are ORT training graphs run in plain
 ``InferenceSession``s: unlike ORT's ``Module``, ``InferenceSession.run`` releases the GIL,
 so the worker's transport keeps serving while a stage computes. The parameters are numpy
 arrays owned here, fed to ORT by reference and stepped in place by the optimizer.
+
+With ``split_backward`` (where the plan has the halves: exporter/weight_split.py) a micro-batch's
+backward computes only what the pipeline waits for; the parameter gradients of all the step's
+micro-batches are computed at once, by :meth:`StageSession.finish_weights`, before the step.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from edgert.errors import StageError
-from edgert.manifest import MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig
+from edgert.manifest import MEMORY_MODES, BoundaryTensor, StageEntry, TrainingConfig, split_roles
 from edgert.optimizer import FlatParameters, Optimizer, StateDict, make_optimizer
 from edgert.ort_import import onnxruntime
 from edgert.providers import DEFAULT_PROVIDERS, confirm_loaded
@@ -65,7 +69,7 @@ class StageSession:
 
     def __init__(self, entry: StageEntry, plan_dir: str | Path, training: TrainingConfig,
                  threads: Threads = Threads(), memory_mode: str = "recompute",
-                 providers: tuple[str, ...] = DEFAULT_PROVIDERS):
+                 providers: tuple[str, ...] = DEFAULT_PROVIDERS, split_backward: bool = False):
         if memory_mode not in MEMORY_MODES:
             raise StageError(f"memory mode {memory_mode!r} is not one of {', '.join(MEMORY_MODES)}")
         self.entry = entry
@@ -88,13 +92,27 @@ class StageSession:
                                  for name in self._trainable]
         self._accumulated = 0
         forward_role, backward_role = ("forward_stash", "backward_stash") if self.stashing else ("eval", "backward")
+        halves = split_roles(entry, "stash" if self.stashing else "recompute") if split_backward else ()
+        self.splits = bool(halves)  # whether the parameter gradients wait for finish_weights
+        if halves:
+            backward_role = halves[0]
         self._forward = _session(plan_dir / entry.artifact(forward_role).path, threads.forward, providers)
         self._backward = _session(plan_dir / entry.artifact(backward_role).path, threads.backward, providers)
+        self._weight = _session(plan_dir / entry.artifact(halves[1]).path, threads.backward, providers) \
+            if halves else None
+        # what the weight half reads of each micro-batch (the rest are parameters), and each one's values until then
+        self._weight_rows = [i.name for i in self._weight.get_inputs() if i.name not in self._flat.views] \
+            if self._weight is not None else []
+        self._weight_inputs = {i.name for i in self._weight.get_inputs()} if self._weight is not None else set()
+        self._weight_outputs = [o.name for o in self._weight.get_outputs()] if self._weight is not None else []
+        self._deferred: list[dict[str, np.ndarray]] = []
         self._infer = None
         self._forward_inputs = {i.name for i in self._forward.get_inputs()}
         self._backward_inputs = {i.name for i in self._backward.get_inputs()}
         self._forward_outputs = [o.name for o in self._forward.get_outputs()]
         self._backward_outputs = [o.name for o in self._backward.get_outputs()]
+        # whether the backward call returns parameter gradients (all of them, or a split one's BatchNorm's)
+        self._backward_adds = any(output in self._backward_outputs for output, _ in self._gradient_pieces)
         self._gradient_to_input = {v: k for k, v in entry.input_gradients.items()}
         self.optimizer: Optimizer = make_optimizer(training)
         # Guards parameters and optimizer state: the optimizer writes them, /weights reads them.
@@ -135,7 +153,8 @@ class StageSession:
 
         Middle and first stages take the gradients of their outputs; the last stage takes
         the labels and ``loss_scale`` (micro-batch size / batch size). With stashing,
-        ``saved`` is what the forward kept. Parameter gradients accumulate until :meth:`step`.
+        ``saved`` is what the forward kept. Parameter gradients accumulate until :meth:`step` (split: what
+        their half reads waits for :meth:`finish_weights`).
         """
         expected = list(self.entry.inputs)
         values = dict(inputs)
@@ -158,9 +177,12 @@ class StageSession:
             if saved is None or any(name not in saved for name in self.entry.saved):
                 raise StageError(f"stage {self.entry.index} stashes activations: backward needs what forward kept")
             feeds.update(saved)
-            feeds = {k: v for k, v in feeds.items() if k in self._backward_inputs}
+        given = feeds
+        feeds = {k: v for k, v in given.items() if k in self._backward_inputs}
         feeds.update(self._state_feeds(self._backward_inputs))
         named = dict(zip(self._backward_outputs, self._backward.run(self._backward_outputs, feeds)))
+        if self._weight is not None:
+            self._deferred.append({name: named[name] if name in named else given[name] for name in self._weight_rows})
         return self._collect(named)
 
     def train_micro_batch(self, inputs: Mapping[str, np.ndarray],
@@ -180,27 +202,50 @@ class StageSession:
             for output, buffer in self.entry.buffer_updates.items():
                 self._values[buffer][...] = named[output]
 
+    def finish_weights(self) -> int:
+        """The parameter gradients of the micro-batches whose backward was split, in one call over all their rows;
+        returns those rows (0: none waited)."""
+        if not self._deferred:
+            return 0
+        deferred, self._deferred = self._deferred, []
+        feeds = {name: np.concatenate([values[name] for values in deferred]) if len(deferred) > 1
+                 else deferred[0][name] for name in self._weight_rows}
+        rows = len(feeds[self._weight_rows[0]]) if self._weight_rows else 0
+        feeds.update(self._state_feeds(self._weight_inputs))
+        named = dict(zip(self._weight_outputs, self._weight.run(self._weight_outputs, feeds)))
+        with self.lock:
+            self._add_gradients(named)
+        return rows
+
     def _collect(self, named: dict[str, np.ndarray]) -> BackwardResult:
         if not self.stashing:
             self._update_buffers(named)
-        with self.lock:
-            self._add_gradients(named)
+        if self._backward_adds:
+            with self.lock:
+                self._add_gradients(named)
         loss = float(named[LOSS_OUTPUT]) if LOSS_OUTPUT in named else None
         prediction = named.get(self.entry.outputs[0].name) if self.entry.is_last else None
         gradients = {self._gradient_to_input[k]: v for k, v in named.items() if k in self._gradient_to_input}
         return BackwardResult(loss=loss, prediction=prediction, input_gradients=gradients)
 
     def _add_gradients(self, named: dict[str, np.ndarray]) -> None:
-        """Add one call's parameter gradients to the flat gradient (the first call since a step copies them)."""
+        """Add one call's parameter gradients to the flat gradient (the first call since a step copies them, and
+        zeroes those it lacks: a split backward's halves each return some)."""
+        first = not self._accumulated
         for output, piece in self._gradient_pieces:
-            if self._accumulated:
-                piece += named[output]
+            value = named.get(output)
+            if value is None:
+                if first:
+                    piece[...] = 0
+            elif first:
+                piece[...] = value
             else:
-                piece[...] = named[output]
+                piece += value
         self._accumulated += 1
 
     def step(self) -> None:
         """Apply the optimizer to the accumulated gradients, then clear them."""
+        self.finish_weights()
         with self.lock:
             if not self._accumulated:
                 self._gradient[...] = 0
@@ -208,9 +253,10 @@ class StageSession:
             self._accumulated = 0
 
     def zero_grad(self) -> None:
-        """Discard the accumulated gradients."""
+        """Discard the accumulated gradients (and the micro-batches waiting for theirs)."""
         with self.lock:
             self._accumulated = 0
+            self._deferred = []
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Forward with inference-form normalisation (running statistics), for evaluation."""
@@ -251,6 +297,7 @@ class StageSession:
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Copies of the accumulated parameter gradients, by name (zeros before any backward)."""
+        self.finish_weights()
         with self.lock:
             if not self._accumulated:
                 return {n: np.zeros_like(self._values[n]) for n in self._trainable}
@@ -258,6 +305,7 @@ class StageSession:
 
     def gradient_flat(self) -> np.ndarray:
         """One contiguous copy of the accumulated parameter gradients (zeros before any backward)."""
+        self.finish_weights()
         with self.lock:
             return self._gradient.copy() if self._accumulated else np.zeros_like(self._gradient)
 
@@ -269,6 +317,7 @@ class StageSession:
         with self.lock:
             self._gradient[...] = flat
             self._accumulated = max(self._accumulated, 1)
+            self._deferred = []
 
     def running_statistics(self) -> dict[str, np.ndarray]:
         """Copies of the buffers the forward updates (BatchNormalization's running mean and variance), by name."""

@@ -18,6 +18,7 @@ Map of the package (docs/EXPORTER.md; the plan format is docs/MANIFEST.md):
 - ``graph_writer.py``    :class:`GraphWriter`: unique names, typed constants, opset-aware reductions
 - ``vjp_seed.py``        :func:`seed_from_gradients`: a non-last stage's backward started from its gradient inputs
 - ``stash.py``           the training graph split for activation stashing (no recomputation)
+- ``weight_split.py``    :func:`split_backward`: a backward split into input and parameter gradients (B/W)
 - ``export.py``          :func:`export_plan`: ``edgert export``, the whole pipeline, writes the plan folder
 - ``check.py``           :func:`check_plan`: ``edgert check``, chained stages against the unsplit model
 - ``check_portable.py``  each stage's portable graphs against the training build's, both memory modes

@@ -15,6 +15,9 @@ Per stage, in ``stage<k>/``:
 - ``forward_stash.onnx``, ``backward_stash.onnx`` (not on the last stage): the same graph
   split for activation stashing (exporter.stash): the forward also returns the tensors the
   backward needs, which then recomputes nothing;
+- ``backward_input.onnx``, ``backward_weight.onnx`` and their ``backward_stash_`` twins (a stage
+  after the first, where they hold): each backward split into what the pipeline waits for and
+  the parameter gradients, computed once a step (exporter.weight_split);
 - ``eval.onnx``      the forward in training form (batch statistics), run for the pipeline's
   forward pass, so that it matches the forward the backward recomputes;
 - ``infer.onnx``     the forward in inference form (running statistics), parameters as
@@ -47,13 +50,15 @@ from edgert.exporter.portable import make_portable, tensor_types
 from edgert.exporter.slice import StageGraph, value_info_of
 from edgert.exporter.stash import split_for_stashing
 from edgert.exporter.vjp_seed import seed_from_gradients
-from edgert.manifest import BoundaryTensor, TrainingConfig
+from edgert.exporter.weight_split import split_backward
+from edgert.manifest import SPLIT_ROLES, BoundaryTensor, TrainingConfig
 from edgert.weights import StageState, save_state
 
 INPUT_GRADIENT_SUFFIX = "__dinput"
 TRAINING, BACKWARD, EVAL, INFER = "training", "backward", "eval", "infer"
 OPTIMIZER, CHECKPOINT, PARAMETERS = "optimizer", "checkpoint", "parameters"
 FORWARD_STASH, BACKWARD_STASH = "forward_stash", "backward_stash"
+SPLITS = {BACKWARD: SPLIT_ROLES["recompute"], BACKWARD_STASH: SPLIT_ROLES["stash"]}  # backward -> (input, weight)
 FILE_NAMES = {
     TRAINING: "training.onnx",
     BACKWARD: "backward.onnx",
@@ -64,6 +69,7 @@ FILE_NAMES = {
     OPTIMIZER: "optimizer.onnx",
     CHECKPOINT: "checkpoint.ckpt",
     PARAMETERS: "parameters.cbor",
+    **{role: f"{role}.onnx" for halves in SPLITS.values() for role in halves},
 }
 
 
@@ -112,6 +118,7 @@ def build_stage_artifacts(
     else:
         portable_model = gradient_model
     saved: tuple[str, ...] = ()
+    backwards = {BACKWARD: portable_model}
     if stage.is_last:
         del files[FORWARD_STASH], files[BACKWARD_STASH]
     else:
@@ -122,8 +129,16 @@ def build_stage_artifacts(
         _save(halves.forward, files[FORWARD_STASH])
         _save(halves.backward, files[BACKWARD_STASH])
         saved = tuple(halves.saved)
-        portable_model = seed_from_gradients(portable_model, gradients)
+        portable_model = backwards[BACKWARD] = seed_from_gradients(portable_model, gradients)
+        backwards[BACKWARD_STASH] = halves.backward
     _save(portable_model, files[BACKWARD])
+    for role, (input_role, weight_role) in SPLITS.items():
+        split = split_backward(backwards[role], stage.parameters) if portable and role in backwards else None
+        if split is None or split.input is None:  # a first stage's pipeline waits for none of its backward
+            del files[input_role], files[weight_role]
+            continue
+        _save(split.input, files[input_role])
+        _save(split.weight, files[weight_role])
     training_graph_utils().build_gradient_accumulation_graph(gradient_model, set(stage.parameters))
     _save(gradient_model, files[TRAINING])
     _save(_eval_model(stage, state_names), files[EVAL])

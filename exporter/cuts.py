@@ -60,19 +60,24 @@ def resolve_cuts(analysis: ModelAnalysis, specs: list[str]) -> list[int]:
 
 # A stage's training work in units of its forward FLOPs: every stage but the last runs its
 # forward, then the backward call recomputes it and computes weight and input gradients
-# (about 4x); the last stage's forward is folded into its backward (about 3x).
+# (about 4x); the last stage's forward is folded into its backward (about 3x). With the
+# backward split in two (edgert train --split-backward), a stage after the first computes its
+# weight gradients once a step, off the pipeline's path: one forward's worth less.
 PIPELINE_COST = {"other": 4, "last": 3}
+WEIGHT_GRADIENTS = 1
 
 
-def stage_cost(flops: int, last: bool) -> int:
-    """Estimated training work of a stage whose blocks have ``flops`` forward FLOPs."""
-    return flops * PIPELINE_COST["last" if last else "other"]
+def stage_cost(flops: int, last: bool, first: bool = False, split_backward: bool = False) -> int:
+    """Estimated training work, on the pipeline's path, of a stage whose blocks have ``flops`` forward FLOPs."""
+    deferred = WEIGHT_GRADIENTS if split_backward and not first else 0
+    return flops * (PIPELINE_COST["last" if last else "other"] - deferred)
 
 
-def balanced_cuts(analysis: ModelAnalysis, stages: int) -> list[int]:
+def balanced_cuts(analysis: ModelAnalysis, stages: int, split_backward: bool = False) -> list[int]:
     """Cuts that minimise the largest stage's training work (exact, by dynamic programming).
 
-    Work is :func:`stage_cost`: forward FLOPs weighted by what a stage does with them.
+    Work is :func:`stage_cost`: forward FLOPs weighted by what a stage does with them on the
+    pipeline's path (``split_backward``: every stage's but the first's weight gradients are not).
     """
     blocks = len(analysis.blocks)
     if stages < 1:
@@ -99,7 +104,8 @@ def balanced_cuts(analysis: ModelAnalysis, stages: int) -> list[int]:
             for i in range(s - 1, j):
                 if i > 0 and i not in legal:
                     continue
-                cost = max(best[s - 1][i], stage_cost(prefix[j] - prefix[i], last=s == stages))
+                cost = max(best[s - 1][i], stage_cost(prefix[j] - prefix[i], last=s == stages, first=s == 1,
+                                                      split_backward=split_backward))
                 if cost < best[s][j]:
                     best[s][j], choice[s][j] = cost, i
     if best[stages][blocks] == inf:

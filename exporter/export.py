@@ -47,6 +47,7 @@ class ExportOptions:
     block_depth: int | None = None
     frozen: tuple[str, ...] = ()
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    split_backward: bool = False  # balance the cuts for edgert train --split-backward
 
 
 def prepare_analysis(source: SourceModel, options: ExportOptions) -> ModelAnalysis:
@@ -60,7 +61,7 @@ def choose_cuts(analysis: ModelAnalysis, options: ExportOptions) -> list[int]:
         if options.stages is not None and options.stages != len(options.cuts) + 1:
             raise ExportError(f"--stages {options.stages} disagrees with {len(options.cuts)} explicit cut(s)")
         return resolve_cuts(analysis, list(options.cuts))
-    return balanced_cuts(analysis, 1 if options.stages is None else options.stages)
+    return balanced_cuts(analysis, 1 if options.stages is None else options.stages, options.split_backward)
 
 
 def export_plan(

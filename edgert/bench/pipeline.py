@@ -29,6 +29,10 @@
    cluster right after: ``side_by_side_vs_one_after_the_other`` (samples/s over samples/s). At
    slowdown 1 it gains only where each worker has a core for each lane; emulated devices sleep
    without a core, so the emulated ratio is that of devices with two cores each.
+   ``edgert_4stage_1f1b_split_backward`` likewise, each stage after the first computing its
+   parameter gradients once a step over all its micro-batches (``edgert train --split-backward``),
+   on the plan cut for it (``edgert export --split-backward``: those stages take more blocks):
+   ``split_backward_vs_one_after_the_other``.
 7. ``stage_call`` (edgert/bench/calls.py): the runtime's forward and backward of the pipeline's
    stage 1 on one micro-batch against bare ``InferenceSession.run`` (``call_vs_bare_session``),
    and a 1-row backward: the fixed cost per call (``fixed_share_of_backward``).
@@ -93,6 +97,13 @@ class BenchConfig:
     peer: bool = option(True, "Also train the 4-stage shape with torch.distributed.pipelining (where torch is "
                               "installed).")
     side_by_side: bool = option(True, "Also train each 4-stage run with the forwards beside the backwards.")
+    split_backward: bool = option(True, "Also train each 4-stage run with the parameter gradients once a step.")
+
+
+# each variant of the 4-stage run: its `edgert train` option (and `edgert export` option where the cuts change for
+# it), and what the report calls it
+VARIANTS = {"side_by_side": "forwards beside backwards", "split_backward": "parameter gradients once a step"}
+CUT_FOR = ("split_backward",)
 
 
 def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int = WARMUP) -> float:
@@ -167,19 +178,26 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         manifest = export_plan(folder / "pipeline.onnx", folder / "plan4",
                                ExportOptions(stages=STAGES, training=training))
         blocks = [len(s.blocks) for s in manifest.stages]
+        plans = {name: folder / "plan4" for name in VARIANTS}
+        for name in CUT_FOR:
+            if getattr(config, name):
+                plans[name] = folder / f"plan4-{name}"
+                export_plan(folder / "pipeline.onnx", plans[name],
+                            ExportOptions(stages=STAGES, training=training, **{name: True}))
         calls = call_costs(folder / "plan4", 1, config.batch_size // MICRO_BATCHES)
         rows.append({"run": "stage_call", "model": config.pipeline_model, "stage": 1,
                      "rows": config.batch_size // MICRO_BATCHES, **{k: round(v, 4) for k, v in calls.items()}})
-        pipelined, beside = {}, {}
+        pipelined: dict[str, Any] = {}
+        variants: dict[str, dict[str, float]] = {name: {} for name in VARIANTS if getattr(config, name)}
         for slowdown in dict.fromkeys(("1", config.slowdown)):  # real compute first, then the emulated devices
             with LocalCluster(STAGES, slowdowns=[slowdown] * STAGES) as four:
                 out = folder / f"run4-slowdown{slowdown}"
                 shape = dict(batch_size=config.batch_size, micro_batches=MICRO_BATCHES, steps=config.pipeline_steps,
                              schedule="1f1b")
                 rate, steps = edgert_run(folder / "plan4", four.urls, out, **shape)
-                if config.side_by_side:
-                    beside[slowdown] = edgert_run(folder / "plan4", four.urls, folder / f"side-slowdown{slowdown}",
-                                                  side_by_side=True, **shape)[0]
+                for name, rates in variants.items():  # in the same cluster, right after
+                    rates[slowdown] = edgert_run(plans[name], four.urls, folder / f"{name}-slowdown{slowdown}",
+                                                 **{name: True}, **shape)[0]
             figures = pipeline_figures(steps, STAGES, MICRO_BATCHES, skip=WARMUP)
             hops = trace_hops(out / "trace.json", WARMUP)
             pipelined[slowdown] = rate, figures, hops
@@ -189,10 +207,11 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
                          "micro_batches": MICRO_BATCHES, "slowdown": slowdown, "blocks_per_stage": blocks,
                          "samples_per_s": round(rate, 1), **{k: round(v, 2) for k, v in figures.items()},
                          **{f"hop_{k}": v for k, v in hops.items() if k.startswith("all_")}, "hops": hops["hops"]})
-            if slowdown in beside:
-                rows.append({"run": "edgert_4stage_1f1b_side_by_side", "model": config.pipeline_model,
+            for name, rates in variants.items():
+                rows.append({"run": f"edgert_4stage_1f1b_{name}", "model": config.pipeline_model,
                              "stages": STAGES, "micro_batches": MICRO_BATCHES, "slowdown": slowdown,
-                             "samples_per_s": round(beside[slowdown], 1)})
+                             "blocks_per_stage": [len(s.blocks) for s in load_manifest(plans[name]).stages],
+                             "samples_per_s": round(rates[slowdown], 1)})
         peer = None
         if config.peer and torch_peer.available():
             pipeline_spec = get_model_spec(config.pipeline_model)
@@ -211,8 +230,8 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
                        f"f1b_vs_simulated{suffix}": ratio(figures["simulated_ms"], figures["measured_ms"], 3),
                        f"f1b_schedule_ceiling{suffix}": ratio(figures["ideal_ms"], figures["simulated_ms"], 3)})
         ratios[f"hop_in_pipeline_vs_idle{suffix}"] = ratio(hops.get("all_median_ms"), hop["hop_median_ms"], 2)
-        if slowdown in beside:
-            ratios[f"side_by_side_vs_one_after_the_other{suffix}"] = ratio(beside[slowdown], pipelined[slowdown][0], 3)
+        for name, rates in variants.items():
+            ratios[f"{name}_vs_one_after_the_other{suffix}"] = ratio(rates[slowdown], pipelined[slowdown][0], 3)
     ratios["edgert_vs_torch_pipelining"] = ratio(pipelined["1"][0], peer, 3)
     ratios["hop_vs_raw_tcp"] = ratio(hop["hop_median_ms"], hop["raw_tcp_median_ms"], 2)
     ratios["call_vs_bare_session"] = ratio(calls["bare_forward_ms"] + calls["bare_backward_ms"],
@@ -237,9 +256,10 @@ def format_table(outcome: dict[str, Any]) -> str:
              "  " + "  ".join(f"{name}={figures.get(name + suffix)}" for name in names),
              f"  edgert_vs_torch_pipelining={figures['edgert_vs_torch_pipelining']} (slowdown 1"
              f"{'' if outcome['peer'] is None else '; ' + outcome['peer']})"]
-    if "side_by_side_vs_one_after_the_other" + suffix in figures:
-        lines.append(f"  side_by_side_vs_one_after_the_other={figures['side_by_side_vs_one_after_the_other' + suffix]}"
-                     f" (forwards beside backwards, samples/s over one after the other)")
+    for name, what in VARIANTS.items():
+        if f"{name}_vs_one_after_the_other{suffix}" in figures:
+            lines.append(f"  {name}_vs_one_after_the_other={figures[f'{name}_vs_one_after_the_other{suffix}']}"
+                         f" ({what}, samples/s over one after the other)")
     hop = next((row for row in outcome["rows"] if row["run"] == "idle_hop"), None)
     call = next((row for row in outcome["rows"] if row["run"] == "stage_call"), None)
     if hop is not None:

@@ -38,9 +38,12 @@ def _split(values: str | None) -> tuple[str, ...]:
 @click.option("--output", default=None, help="Graph output that is the prediction (default: the first).")
 @click.option("--block-depth", type=int, default=None, help="Name-scope depth that defines blocks (default: auto).")
 @click.option("--frozen", default=None, help="Initializers not to train, comma-separated.")
+@click.option("--split-backward", is_flag=True,
+              help="Balance --stages for edgert train --split-backward: the stages after the first compute their "
+                   "weight gradients once a step, off the pipeline's path, so they take more blocks.")
 def export_command(model: Path, out_dir: Path, stages: int | None, cuts: str | None, loss: str | None,
                    optimizer: str, learning_rate: float, weight_decay: float, momentum: float,
-                   output: str | None, block_depth: int | None, frozen: str | None) -> None:
+                   output: str | None, block_depth: int | None, frozen: str | None, split_backward: bool) -> None:
     require_host_extra("export")
     from edgert.exporter.export import ExportOptions, choose_cuts, prepare_analysis, write_plan
     from edgert.exporter.source import load_source_model
@@ -51,7 +54,7 @@ def export_command(model: Path, out_dir: Path, stages: int | None, cuts: str | N
     training = TrainingConfig(loss=loss_name, optimizer=optimizer, learning_rate=learning_rate,
                               weight_decay=weight_decay, momentum=momentum)
     options = ExportOptions(stages=stages, cuts=_split(cuts), output=output, block_depth=block_depth,
-                            frozen=_split(frozen), training=training)
+                            frozen=_split(frozen), training=training, split_backward=split_backward)
     analysis = prepare_analysis(source, options)
     for note in analysis.trainable.notes:
         _progress(note)

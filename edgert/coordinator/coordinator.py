@@ -76,6 +76,7 @@ class TrainConfig:
     # forwards beside backwards; None: as the plan was made (placement.json, edgert plan --side-by-side), each
     # worker then with the threads the plan split for it; else RunSettings'
     side_by_side: bool | None = None
+    split_backward: bool = RunSettings.split_backward
     connect_timeout: float = 5.0
     step_timeout: float = RunSettings.wait_timeout
     listen: str = "coap+tcp://0.0.0.0:0"
@@ -104,7 +105,8 @@ class TrainConfig:
         side_by_side = planned_side_by_side if self.side_by_side is None else self.side_by_side
         return RunSettings(training=with_learning_rate(training, self.learning_rate), **given,
                            forward_threads=self.forward_threads, backward_threads=self.backward_threads,
-                           side_by_side=side_by_side, wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
+                           side_by_side=side_by_side, split_backward=self.split_backward,
+                           wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
                            replicate_every=self.replicate_every, central_every=self.central_every)
 
     def runs_side_by_side(self, plan_dir: Path) -> bool:

@@ -92,7 +92,7 @@ class StageAssignment:
     @property
     def roles(self) -> tuple[str, ...]:
         """The artifact roles this stage needs (its memory mode decides the stash files)."""
-        return needed_roles(self.entry, self.settings.memory_mode)
+        return needed_roles(self.entry, self.settings.memory_mode, self.settings.split_backward)
 
     @property
     def artifacts(self) -> tuple[ArtifactFile, ...]:

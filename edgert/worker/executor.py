@@ -7,7 +7,9 @@ next stage; ``B`` waits for the gradients (or, on the last stage, the labels), r
 backward and hands the input gradients to the previous stage; ``S`` steps the optimizer.
 The last stage's forward is folded into its backward. Under the ``async`` schedule the
 weights a micro-batch's forward used are stashed and restored for its backward (PipeDream).
-With ``side_by_side`` the forwards run on a second thread beside the backwards
+A split backward (``split_backward``, edgert.stage) computes its parameter gradients once, before
+the step, over all the step's micro-batches (``W``, timed as backward). With ``side_by_side`` the
+forwards run on a second thread beside the backwards
 (edgert.worker.forward_lane), on the synchronous schedules and where no forward updates running
 statistics (a BatchNorm's forward would read them while a backward writes them).
 Everything it does is timed, per step, for the coordinator's metrics and trace. Before it
@@ -42,6 +44,7 @@ from edgert.worker.stage_timer import warm_up
 Sender = Callable[..., None]  # (key, tensors) and, on a link that carries row pieces, rows=<micro-batch size>
 GroupSender = Callable[[int, dict[str, np.ndarray], dict[str, Codec]], None]  # to the group's other members
 StepCallback = Callable[[StepReport], None]
+WEIGHTS = "weights"  # the slowdown emulator's name for a split backward's parameter-gradient call
 
 
 class StageExecutor:
@@ -124,6 +127,7 @@ class StageExecutor:
                         lane.wait_for(last_backward.key, self._before_wait)
                     self._backward(last_backward, reports[step], window)
                 else:
+                    self._finish_weights(reports[step], step)
                     if lane is not None:
                         lane.wait_idle(self._before_wait)  # the step changes the weights a forward reads
                     self._combine(window, step, reports[step])
@@ -202,6 +206,8 @@ class StageExecutor:
             # a share's loss is scaled by its rows over the batch: the group's gradients then simply add up
             result = self.session.backward(inputs, output_gradients=gradients, labels=labels,
                                            loss_scale=batch.loss_scale * self._rows(batch) / batch.size, saved=kept)
+            if window.schedule == Schedule.ASYNC:
+                self.session.finish_weights()  # with the weights its forward read, before the next step
         self._computed(report, "backward_ms", f"B{batch.step}.{batch.index}", started, batch.step,
                        (Computation.BACKWARD, self._rows(batch)))
         if self.is_last:
@@ -209,6 +215,13 @@ class StageExecutor:
         if not self.is_first and result.input_gradients:
             self._send(self._send_backward, batch.key, result.input_gradients, report,
                        self._piece_rows("previous", batch))
+
+    def _finish_weights(self, report: StepReport, step: int) -> None:
+        """A split backward's parameter gradients, all the step's micro-batches at once (part of its backward)."""
+        started = self._clock()
+        rows = self.session.finish_weights()
+        if rows:
+            self._computed(report, "backward_ms", f"W{step}", started, step, (WEIGHTS, rows))
 
     def _step(self, report: StepReport) -> None:
         started = self._clock()
@@ -303,7 +316,7 @@ class StageExecutor:
             report.correct = (report.correct or 0) + int(np.sum(prediction.argmax(-1) == label))
 
     def reset(self) -> None:
-        """Forget held inputs and stashed weights (after a failure or a re-plan)."""
+        """Forget held inputs, stashed weights and the unfinished step's gradients (after a failure or a re-plan)."""
         if self._lane is not None:
             self.inbox.interrupt(InboxAborted("the window was abandoned"))  # a forward waiting for its input ends
             self._lane.reset()
@@ -311,6 +324,7 @@ class StageExecutor:
         self._held.clear()
         self._stash.clear()
         self._stash_version.clear()
+        self.session.zero_grad()
 
     def close(self) -> None:
         """The stage is replaced: the forward lane's thread ends."""

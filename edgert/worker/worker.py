@@ -241,7 +241,7 @@ class Worker:
         settings = assignment.settings
         return StageSession(local, folder, settings.training, Threads(settings.forward_threads,
                                                                       settings.backward_threads),
-                            settings.memory_mode, self.config.providers)
+                            settings.memory_mode, self.config.providers, settings.split_backward)
 
     def _install(self, assignment: StageAssignment, session: StageSession) -> None:
         """Make ``session`` the current stage: what was sent, received or queued for the last one is dropped."""

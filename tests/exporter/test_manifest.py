@@ -25,7 +25,8 @@ def test_round_trip_is_lossless(plan):
     assert [t.name for t in stage.inputs] == ["a_out", "b_out"]  # the skip crosses this cut
     assert stage.inputs[0].shape == ("N", 6) and stage.inputs[0].dtype == "float32"
     assert {a.role for a in stage.artifacts} == {"training", "backward", "forward_stash", "backward_stash", "eval",
-                                                 "infer", "optimizer", "checkpoint", "parameters"}
+                                                 "infer", "optimizer", "checkpoint", "parameters", "backward_input",
+                                                 "backward_weight", "backward_stash_input", "backward_stash_weight"}
     # stage 0's backward reads its Relu's output; stage 1's Gemm and Add need nothing of their forward but the inputs
     assert again.stages[0].saved and not stage.saved and not again.stages[-1].saved
     assert all(len(a.sha256) == 64 for a in stage.artifacts)

@@ -55,9 +55,10 @@ def test_the_benchmark_prints_rows_and_ratios(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     runs = [(row["run"], row.get("slowdown")) for row in data["rows"]]
-    assert runs[:6] == [("idle_hop", None), ("bare_ort", None), ("edgert_1stage", None), ("stage_call", None),
-                        ("edgert_4stage_1f1b", "1"), ("edgert_4stage_1f1b_side_by_side", "1")]
-    assert runs[6:8] == [("edgert_4stage_1f1b", "8"), ("edgert_4stage_1f1b_side_by_side", "8")]
+    variants = [(f"edgert_4stage_1f1b{name}", slowdown) for slowdown in ("1", "8")
+                for name in ("", "_side_by_side", "_split_backward")]
+    assert runs[:4] == [("idle_hop", None), ("bare_ort", None), ("edgert_1stage", None), ("stage_call", None)]
+    assert runs[4:10] == variants
     ratios = data["ratios"]
     hop, call = data["rows"][0], data["rows"][3]
     # an idle hop costs more than the same bytes over a raw socket, and less than a step's worth of time
@@ -74,8 +75,9 @@ def test_the_benchmark_prints_rows_and_ratios(tmp_path):
     assert 0 < ratios["f1b_vs_ideal_4stages"] <= ratios["f1b_schedule_ceiling"] * 1.1
     assert 0 < ratios["f1b_vs_simulated"] <= 1.1
     # a same-run ratio of two trainings of the same shape (the gain itself is the benchmark's to show, not a test's)
-    assert 0 < ratios["side_by_side_vs_one_after_the_other"] < 3
-    assert 0 < ratios["side_by_side_vs_one_after_the_other_slowdown1"] < 3
+    for name in ("side_by_side", "split_backward"):
+        assert 0 < ratios[f"{name}_vs_one_after_the_other"] < 3
+        assert 0 < ratios[f"{name}_vs_one_after_the_other_slowdown1"] < 3
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "metrics.jsonl").is_file()
     # the hops the pipeline met (its trace) cost at least what an idle hop does, less than a step
     pipelined = data["rows"][4]
