@@ -16,6 +16,7 @@ Map of the package (docs/EXPORTER.md; the plan format is docs/MANIFEST.md):
 - ``gradient_rules.py``  the standard-operator form of each training-build gradient operator
 - ``convolution_rules.py`` the same for the convolution and pooling gradients
 - ``graph_writer.py``    :class:`GraphWriter`: unique names, typed constants, opset-aware reductions
+- ``graph_walk.py``      :func:`reads`, :func:`needed_nodes`: a graph walked back from the tensors wanted
 - ``vjp_seed.py``        :func:`seed_from_gradients`: a non-last stage's backward started from its gradient inputs
 - ``stash.py``           the training graph split for activation stashing (no recomputation)
 - ``weight_split.py``    :func:`split_backward`: a backward split into input and parameter gradients (B/W)

@@ -8,11 +8,12 @@ reads from a non-last stage, leaves the graph with every node only it needed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 
 import onnx
 from onnx import helper, numpy_helper
 
+from edgert.exporter.graph_walk import reads
 from edgert.exporter.loss import SCALED_LOSS_OUTPUT
 from edgert.exporter.stash import SEED
 
@@ -88,7 +89,7 @@ def _drop_unused(graph: onnx.GraphProto, keep: set[str]) -> None:
     for node in reversed(graph.node):
         if any(name in needed for name in node.output):
             kept.append(node)
-            needed.update(_reads(node))
+            needed.update(reads(node))
     del graph.node[:]
     graph.node.extend(reversed(kept))
     initializers = [init for init in graph.initializer if init.name in needed]
@@ -97,12 +98,3 @@ def _drop_unused(graph: onnx.GraphProto, keep: set[str]) -> None:
     infos = [info for info in graph.value_info if info.name in needed]
     del graph.value_info[:]
     graph.value_info.extend(infos)
-
-
-def _reads(node: onnx.NodeProto) -> Iterator[str]:
-    """Every name ``node`` reads, those its sub-graphs read from the enclosing graph included."""
-    yield from (name for name in node.input if name)
-    for attribute in node.attribute:
-        for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-            for inner in sub.node:
-                yield from _reads(inner)

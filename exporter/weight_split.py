@@ -18,14 +18,17 @@ returns None and the stage keeps its one backward.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper
 
+from edgert.exporter.graph_walk import needed_nodes, reads
 from edgert.manifest import BATCH
+from edgert.ort_import import onnxruntime
 
 PROBE_ROWS = (2, 3)  # the batch sizes the input half is run at (distinct from any fixed leading axis)
 TOLERANCE = 1e-4  # the weight half over two micro-batches at once against the sum of its two runs, relative
@@ -47,7 +50,7 @@ def split_backward(backward: onnx.ModelProto, parameters: Collection[str]) -> Sp
     ``parameters``; None where the weight half cannot run once a step (module docstring)."""
     graph = backward.graph
     gradients = {f"{name}_grad" for name in parameters}
-    for_others = _needed(graph, [o.name for o in graph.output if o.name not in gradients])
+    for_others = needed_nodes(graph, [o.name for o in graph.output if o.name not in gradients])
     input_nodes = [node for index, node in enumerate(graph.node) if index in for_others]
     produced = {name for node in input_nodes for name in node.output if name}
     # a parameter gradient the input half computes anyway (a BatchNorm's, from the sums its input gradient
@@ -56,13 +59,13 @@ def split_backward(backward: onnx.ModelProto, parameters: Collection[str]) -> Sp
     other_outputs = [o for o in graph.output if o.name not in gradients or o.name in produced]
     if not weight_outputs:
         return None
-    for_weights = _needed(graph, [o.name for o in weight_outputs]) - for_others
+    for_weights = needed_nodes(graph, [o.name for o in weight_outputs]) - for_others
     weight_nodes = [node for index, node in enumerate(graph.node) if index in for_weights]
-    reads = list(dict.fromkeys(name for node in weight_nodes for name in _reads(node)))
-    feeds = [name for name in reads if name in produced]
+    read = list(dict.fromkeys(name for node in weight_nodes for name in reads(node)))
+    feeds = [name for name in read if name in produced]
     inputs = {i.name: i for i in graph.input}
     initializers = {init.name: init for init in graph.initializer}
-    probes = _probe_feeds(backward, input_nodes, other_outputs, feeds, parameters)
+    probes = _probe_feeds(backward, input_nodes, feeds, parameters)
     if probes is None:
         return None
     input_half = None
@@ -71,39 +74,16 @@ def split_backward(backward: onnx.ModelProto, parameters: Collection[str]) -> Sp
                             [*other_outputs, *(_typed(name, probes[0][name]) for name in feeds)],
                             [init for init in graph.initializer if init.name in _all_reads(input_nodes)])
     weight_inputs = [*(_typed(name, probes[0][name]) for name in feeds),
-                     *(inputs[name] for name in reads if name in inputs)]
+                     *(inputs[name] for name in read if name in inputs)]
     weight_half = _model(backward, f"{graph.name}_weight", weight_nodes, weight_inputs, weight_outputs,
-                         [initializers[name] for name in reads if name in initializers])
+                         [initializers[name] for name in read if name in initializers])
     if not _adds_up(weight_half, probes, parameters):
         return None
     return SplitBackward(input=input_half, weight=weight_half, feeds=feeds)
 
 
-def _needed(graph: onnx.GraphProto, names: list[str]) -> set[int]:
-    """Positions of the nodes ``names`` need."""
-    producers = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
-    needed: set[int] = set()
-    pending = [name for name in names if name in producers]
-    while pending:
-        index = producers[pending.pop()]
-        if index in needed:
-            continue
-        needed.add(index)
-        pending.extend(name for name in _reads(graph.node[index]) if name in producers)
-    return needed
-
-
-def _reads(node: onnx.NodeProto) -> Iterator[str]:
-    """Every name ``node`` reads, those its sub-graphs read from the enclosing graph included."""
-    yield from (name for name in node.input if name)
-    for attribute in node.attribute:
-        for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-            for inner in sub.node:
-                yield from _reads(inner)
-
-
 def _all_reads(nodes: list[onnx.NodeProto]) -> set[str]:
-    return {name for node in nodes for name in _reads(node)}
+    return {name for node in nodes for name in reads(node)}
 
 
 def _typed(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
@@ -121,12 +101,10 @@ def _model(like: onnx.ModelProto, name: str, nodes: list[onnx.NodeProto], inputs
 Probe = dict[str, np.ndarray]
 
 
-def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto],
-                 feeds: list[str], parameters: Collection[str]) -> tuple[Probe, Probe] | None:
+def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], feeds: list[str],
+                 parameters: Collection[str]) -> tuple[Probe, Probe] | None:
     """The weight half's inputs (feeds computed by the input half, the rest random) at each of :data:`PROBE_ROWS`
-    rows, the parameters the same in both; None where one is neither a parameter nor batch-first."""
-    import onnxruntime as ort
-
+    rows, the parameters the same in both; None where a feed is not batch-first."""
     graph = backward.graph
     rng = np.random.default_rng(0)
     fixed = {i.name: _random(i, 0, rng) for i in graph.input if i.name in parameters}
@@ -137,7 +115,7 @@ def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], o
             model = _model(backward, "probe", input_nodes, list(graph.input),
                            [helper.make_empty_tensor_value_info(name) for name in feeds],
                            [init for init in graph.initializer if init.name in _all_reads(input_nodes)])
-            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            session = _session(model)
             wanted = {i.name for i in session.get_inputs()}
             values.update(zip(feeds, session.run(feeds, {k: v for k, v in values.items() if k in wanted})))
         probes.append(values)
@@ -146,6 +124,10 @@ def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], o
                 or probes[0][name].shape[1:] != probes[1][name].shape[1:]):
             return None
     return probes[0], probes[1]
+
+
+def _session(model: onnx.ModelProto) -> Any:
+    return onnxruntime().InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def _random(value: onnx.ValueInfoProto, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -163,14 +145,12 @@ def _random(value: onnx.ValueInfoProto, rows: int, rng: np.random.Generator) -> 
 
 def _adds_up(weight: onnx.ModelProto, probes: tuple[Probe, Probe], parameters: Collection[str]) -> bool:
     """Whether the weight half on both probes at once gives the sum of its runs on each."""
-    import onnxruntime as ort
-
     names = [i.name for i in weight.graph.input]
     if any(name not in parameters and (probes[0][name].ndim == 0 or probes[0][name].shape[0] != PROBE_ROWS[0])
            for name in names):
         return False  # read per call but not batch-first (a loss scale, a running statistic)
     try:
-        session = ort.InferenceSession(weight.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = _session(weight)
         outputs = [o.name for o in session.get_outputs()]
         each = [session.run(outputs, {name: probe[name] for name in names}) for probe in probes]
         both = session.run(outputs, {name: probes[0][name] if name in parameters

@@ -177,9 +177,10 @@ class Worker:
             self._install(assignment, session)
         load_ms = (time.perf_counter() - started) * 1000
         settings = assignment.settings
-        log.info("%s: loaded stage %d of run %s in %.0f ms (ORT threads %d forward, %d backward, %s)",
+        log.info("%s: loaded stage %d of run %s in %.0f ms (ORT threads %d forward, %d backward, %s%s)",
                  self.config.name, assignment.entry.index, assignment.run_id, load_ms, settings.forward_threads,
-                 settings.backward_threads, "side by side" if settings.side_by_side else "one after the other")
+                 settings.backward_threads, "side by side" if settings.side_by_side else "one after the other",
+                 ", weight gradients once a step" if session.splits else "")
         if self.joining is not None:
             self.say(f"given stage {assignment.entry.index} of run {assignment.run_id} "
                      f"({len(assignment.entry.blocks)} blocks, loaded in {load_ms:.0f} ms)")
