@@ -104,7 +104,8 @@ Probe = dict[str, np.ndarray]
 def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], feeds: list[str],
                  parameters: Collection[str]) -> tuple[Probe, Probe] | None:
     """The weight half's inputs (feeds computed by the input half, the rest random) at each of :data:`PROBE_ROWS`
-    rows, the parameters the same in both; None where a feed is not batch-first."""
+    rows, the parameters the same in both; None where a feed is not batch-first, or the input half does not run on
+    random data whose symbolic axes all take the probe's rows (one of them is not the batch)."""
     graph = backward.graph
     rng = np.random.default_rng(0)
     fixed = {i.name: _random(i, 0, rng) for i in graph.input if i.name in parameters}
@@ -115,9 +116,12 @@ def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], f
             model = _model(backward, "probe", input_nodes, list(graph.input),
                            [helper.make_empty_tensor_value_info(name) for name in feeds],
                            [init for init in graph.initializer if init.name in _all_reads(input_nodes)])
-            session = _session(model)
-            wanted = {i.name for i in session.get_inputs()}
-            values.update(zip(feeds, session.run(feeds, {k: v for k, v in values.items() if k in wanted})))
+            try:
+                session = _session(model)
+                wanted = {i.name for i in session.get_inputs()}
+                values.update(zip(feeds, session.run(feeds, {k: v for k, v in values.items() if k in wanted})))
+            except Exception:  # noqa: BLE001 - a graph random data cannot run (the batch not first, say): unsplit
+                return None
         probes.append(values)
     for name in feeds:  # the batch first, and only there
         if (any(probe[name].ndim == 0 or probe[name].shape[0] != rows for probe, rows in zip(probes, PROBE_ROWS))

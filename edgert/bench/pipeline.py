@@ -18,7 +18,8 @@
    emulated run's ratios have no suffix, the slowdown-1 run's end in ``_slowdown1``.
 4. ``torch_pipelining_4stage_1f1b``: the same shape trained by ``torch.distributed.pipelining``
    (edgert/bench/torch_peer.py; where torch is installed): ``edgert_vs_torch_pipelining`` is
-   edgert's slowdown-1 samples/s over it.
+   edgert's slowdown-1 samples/s over it, ``edgert_side_by_side_vs_torch_pipelining`` and
+   ``edgert_split_backward_vs_torch_pipelining`` those of the variants below.
 5. ``idle_hop`` (first, on the idle machine; edgert/bench/hop.py): a compute thread's 8 KiB
    activation to a peer process's waiting compute thread over the worker's own path, median and
    10th percentile, beside half a raw TCP round trip of the same bytes (``hop_vs_raw_tcp``); and
@@ -233,6 +234,8 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         for name, rates in variants.items():
             ratios[f"{name}_vs_one_after_the_other{suffix}"] = ratio(rates[slowdown], pipelined[slowdown][0], 3)
     ratios["edgert_vs_torch_pipelining"] = ratio(pipelined["1"][0], peer, 3)
+    for name, rates in variants.items():
+        ratios[f"edgert_{name}_vs_torch_pipelining"] = ratio(rates["1"], peer, 3)
     ratios["hop_vs_raw_tcp"] = ratio(hop["hop_median_ms"], hop["raw_tcp_median_ms"], 2)
     ratios["call_vs_bare_session"] = ratio(calls["bare_forward_ms"] + calls["bare_backward_ms"],
                                            calls["forward_ms"] + calls["backward_ms"], 3)
@@ -259,7 +262,8 @@ def format_table(outcome: dict[str, Any]) -> str:
     for name, what in VARIANTS.items():
         if f"{name}_vs_one_after_the_other{suffix}" in figures:
             lines.append(f"  {name}_vs_one_after_the_other={figures[f'{name}_vs_one_after_the_other{suffix}']}"
-                         f" ({what}, samples/s over one after the other)")
+                         f" ({what}, samples/s over one after the other; over torch pipelining at slowdown 1: "
+                         f"{figures[f'edgert_{name}_vs_torch_pipelining']})")
     hop = next((row for row in outcome["rows"] if row["run"] == "idle_hop"), None)
     call = next((row for row in outcome["rows"] if row["run"] == "stage_call"), None)
     if hop is not None:
