@@ -64,8 +64,8 @@ def test_which_stages_are_split(plans):
         for stage in others:
             modes = ("recompute",) if stage.is_last else ("recompute", "stash")
             assert all(split_roles(stage, mode) == SPLIT_ROLES[mode] for mode in modes), (name, stage.index)
-    _, cnn = plans["cnn"]
-    weight = onnx.load(str(plans["cnn"][0] / cnn.stages[1].artifact("backward_weight").path))
+    folder, cnn = plans["cnn"]
+    weight = onnx.load(str(folder / cnn.stages[1].artifact("backward_weight").path))
     outputs = {o.name for o in weight.graph.output}
     assert outputs and not any(".bn." in name for name in outputs)
 
