@@ -173,12 +173,12 @@ class StageSession:
         feeds = self._checked_feeds(values, expected)
         if self.entry.is_last:
             feeds[LOSS_SCALE_INPUT] = np.array(loss_scale, dtype=np.float32)
+        given = feeds  # what a split backward's weight half may read of this micro-batch
         if self.stashing:
             if saved is None or any(name not in saved for name in self.entry.saved):
                 raise StageError(f"stage {self.entry.index} stashes activations: backward needs what forward kept")
-            feeds.update(saved)
-        given = feeds
-        feeds = {k: v for k, v in given.items() if k in self._backward_inputs}
+            given = {**feeds, **saved}
+            feeds = {k: v for k, v in given.items() if k in self._backward_inputs}
         feeds.update(self._state_feeds(self._backward_inputs))
         named = dict(zip(self._backward_outputs, self._backward.run(self._backward_outputs, feeds)))
         if self._weight is not None:

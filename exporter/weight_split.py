@@ -109,20 +109,20 @@ def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], f
     graph = backward.graph
     rng = np.random.default_rng(0)
     fixed = {i.name: _random(i, 0, rng) for i in graph.input if i.name in parameters}
+    probe = _model(backward, "probe", input_nodes, list(graph.input),
+                   [helper.make_empty_tensor_value_info(name) for name in feeds],
+                   [init for init in graph.initializer if init.name in _all_reads(input_nodes)]) if feeds else None
     probes = []
-    for rows in PROBE_ROWS:
-        values = {**{i.name: _random(i, rows, rng) for i in graph.input if i.name not in parameters}, **fixed}
-        if feeds:
-            model = _model(backward, "probe", input_nodes, list(graph.input),
-                           [helper.make_empty_tensor_value_info(name) for name in feeds],
-                           [init for init in graph.initializer if init.name in _all_reads(input_nodes)])
-            try:
-                session = _session(model)
+    try:
+        session = _session(probe) if probe is not None else None
+        for rows in PROBE_ROWS:
+            values = {**{i.name: _random(i, rows, rng) for i in graph.input if i.name not in parameters}, **fixed}
+            if session is not None:
                 wanted = {i.name for i in session.get_inputs()}
                 values.update(zip(feeds, session.run(feeds, {k: v for k, v in values.items() if k in wanted})))
-            except Exception:  # noqa: BLE001 - a graph random data cannot run (the batch not first, say): unsplit
-                return None
-        probes.append(values)
+            probes.append(values)
+    except Exception:  # noqa: BLE001 - a graph random data cannot run (its batch not first, say) stays whole
+        return None
     for name in feeds:  # the batch first, and only there
         if (any(probe[name].ndim == 0 or probe[name].shape[0] != rows for probe, rows in zip(probes, PROBE_ROWS))
                 or probes[0][name].shape[1:] != probes[1][name].shape[1:]):
