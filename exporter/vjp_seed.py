@@ -13,7 +13,7 @@ from collections.abc import Collection
 import onnx
 from onnx import helper, numpy_helper
 
-from edgert.exporter.graph_walk import reads
+from edgert.exporter.graph_walk import needed_nodes, reads
 from edgert.exporter.loss import SCALED_LOSS_OUTPUT
 from edgert.exporter.stash import SEED
 
@@ -84,14 +84,12 @@ def _unit_product(node: onnx.NodeProto, ones: dict[str, str], producers: dict[st
 def _drop_unused(graph: onnx.GraphProto, keep: set[str]) -> None:
     """Remove the nodes and initializers that neither a graph output nor ``keep`` needs (graph inputs stay: the
     runtime feeds them)."""
-    needed = {o.name for o in graph.output} | keep
-    kept = []
-    for node in reversed(graph.node):
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed.update(reads(node))
+    wanted = {o.name for o in graph.output} | keep
+    positions = needed_nodes(graph, wanted)
+    kept = [node for index, node in enumerate(graph.node) if index in positions]
+    needed = wanted | {name for node in kept for name in reads(node)}
     del graph.node[:]
-    graph.node.extend(reversed(kept))
+    graph.node.extend(kept)
     initializers = [init for init in graph.initializer if init.name in needed]
     del graph.initializer[:]
     graph.initializer.extend(initializers)

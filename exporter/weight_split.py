@@ -65,14 +65,15 @@ def split_backward(backward: onnx.ModelProto, parameters: Collection[str]) -> Sp
     feeds = [name for name in read if name in produced]
     inputs = {i.name: i for i in graph.input}
     initializers = {init.name: init for init in graph.initializer}
-    probes = _probe_feeds(backward, input_nodes, feeds, parameters)
+    input_read = {name for node in input_nodes for name in reads(node)}
+    input_initializers = [init for init in graph.initializer if init.name in input_read]
+    probes = _probe_feeds(backward, input_nodes, input_initializers, feeds, parameters)
     if probes is None:
         return None
     input_half = None
     if other_outputs or feeds:
         input_half = _model(backward, f"{graph.name}_input", input_nodes, list(graph.input),
-                            [*other_outputs, *(_typed(name, probes[0][name]) for name in feeds)],
-                            [init for init in graph.initializer if init.name in _all_reads(input_nodes)])
+                            [*other_outputs, *(_typed(name, probes[0][name]) for name in feeds)], input_initializers)
     weight_inputs = [*(_typed(name, probes[0][name]) for name in feeds),
                      *(inputs[name] for name in read if name in inputs)]
     weight_half = _model(backward, f"{graph.name}_weight", weight_nodes, weight_inputs, weight_outputs,
@@ -80,10 +81,6 @@ def split_backward(backward: onnx.ModelProto, parameters: Collection[str]) -> Sp
     if not _adds_up(weight_half, probes, parameters):
         return None
     return SplitBackward(input=input_half, weight=weight_half, feeds=feeds)
-
-
-def _all_reads(nodes: list[onnx.NodeProto]) -> set[str]:
-    return {name for node in nodes for name in reads(node)}
 
 
 def _typed(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
@@ -101,7 +98,8 @@ def _model(like: onnx.ModelProto, name: str, nodes: list[onnx.NodeProto], inputs
 Probe = dict[str, np.ndarray]
 
 
-def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], feeds: list[str],
+def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto],
+                 input_initializers: list[onnx.TensorProto], feeds: list[str],
                  parameters: Collection[str]) -> tuple[Probe, Probe] | None:
     """The weight half's inputs (feeds computed by the input half, the rest random) at each of :data:`PROBE_ROWS`
     rows, the parameters the same in both; None where a feed is not batch-first, or the input half does not run on
@@ -110,8 +108,7 @@ def _probe_feeds(backward: onnx.ModelProto, input_nodes: list[onnx.NodeProto], f
     rng = np.random.default_rng(0)
     fixed = {i.name: _random(i, 0, rng) for i in graph.input if i.name in parameters}
     probe = _model(backward, "probe", input_nodes, list(graph.input),
-                   [helper.make_empty_tensor_value_info(name) for name in feeds],
-                   [init for init in graph.initializer if init.name in _all_reads(input_nodes)]) if feeds else None
+                   [helper.make_empty_tensor_value_info(name) for name in feeds], input_initializers) if feeds else None
     probes = []
     try:
         session = _session(probe) if probe is not None else None
