@@ -28,6 +28,8 @@ class BlockTiming:
     backward_ms: float = field(metadata=at_least(0))  # the backward call: recomputed forward + gradients
     peak_bytes: int = field(default=0, metadata=at_least(0))  # memory the backward needed beyond the resident state
     optimizer_ms: float = field(default=0.0, metadata=at_least(0))  # one optimizer step over the block's parameters
+    # of backward_ms, the weight gradients a split backward computes once a step (0: not split, or not measured)
+    weight_ms: float = field(default=0.0, metadata=at_least(0))
 
 
 @dataclass(frozen=True)

@@ -162,19 +162,23 @@ def max_in_flight(actions: list[Action]) -> int:
 
 
 def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], microbatches: int,
-             link_ms: list[float] | None = None, side_by_side: Sequence[bool] = ()) -> float:
-    """Makespan (ms) of one window of the schedule, from per-stage forward/backward times.
+             link_ms: list[float] | None = None, side_by_side: Sequence[bool] = (),
+             weights_ms: Sequence[float] = (), steps: int = 1) -> float:
+    """Makespan (ms) of one window of the schedule (of ``steps`` windows), from per-stage forward/backward times.
 
     ``link_ms[s]`` is the transfer time between stage ``s`` and ``s + 1``. The last stage's
     forward is folded into its backward, as the runtime does. A stage flagged in ``side_by_side``
     (not the last; not under ``async``) runs its forwards on a lane of their own, as the runtime's
     forward lane does: a forward is handed over when the stage reaches it, or when it reaches the
-    backward the forward follows; a backward waits for its forward, the step for the lane. Raises
+    backward the forward follows; a backward waits for its forward, the step for the lane.
+    ``weights_ms[s]`` is what stage ``s`` computes before each optimizer step (a split backward's
+    weight gradients of the step's micro-batches). ``steps`` windows run back to back, as the
+    runtime runs them: a stage starts the next step's actions once its own step is done. Raises
     if the schedule would deadlock, which the tests use to prove every schedule is executable.
     """
     stages = len(forward_ms)
     links = link_ms or [0.0] * (stages - 1)
-    plans = [stage_actions(kind, s, stages, microbatches) for s in range(stages)]
+    plans = [_back_to_back(stage_actions(kind, s, stages, microbatches), microbatches, steps) for s in range(stages)]
     lanes = {s for s, on in enumerate(side_by_side) if on and s < stages - 1 and Schedule.named(kind) != Schedule.ASYNC}
     done: dict[Action, float] = {}  # action on its stage -> finish time
     clock = [0.0] * stages  # each stage's compute thread
@@ -218,7 +222,8 @@ def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], micro
                 if ready is None:
                     break
                 cost = {Computation.FORWARD: 0.0 if s == stages - 1 else forward_ms[s],
-                        Computation.BACKWARD: backward_ms[s], Computation.STEP: 0.0}[action.kind]
+                        Computation.BACKWARD: backward_ms[s],
+                        Computation.STEP: weights_ms[s] if weights_ms else 0.0}[action.kind]
                 clock[s] = max(clock[s], ready) + cost
                 done[action.on(s)] = clock[s]
                 cursor[s] += 1
@@ -227,6 +232,12 @@ def simulate(kind: str, forward_ms: list[float], backward_ms: list[float], micro
         stuck = {s: str(plans[s][cursor[s]]) for s in range(stages) if cursor[s] < len(plans[s])}
         raise EdgertError(f"schedule {kind} deadlocks: stages waiting at {stuck}")
     return max(max(clock), max(lane))
+
+
+def _back_to_back(actions: list[Action], microbatches: int, steps: int) -> list[Action]:
+    """``steps`` copies of one step's ``actions``, each copy's micro-batches numbered after the last copy's."""
+    return [replace(a, microbatch=None if a.microbatch is None else a.microbatch + step * microbatches)
+            for step in range(steps) for a in actions]
 
 
 def _ready_time(action: Action, s: int, stages: int, done: dict[Action, float], links: list[float]) -> float | None:

@@ -70,6 +70,7 @@ class PlannedPlacement:
     micro_batches: int
     memory_mode: str
     side_by_side: bool = False  # planned for forwards beside backwards: edgert train runs so, with each stage's threads
+    split_backward: bool = False  # planned for weight gradients once a step: edgert train runs so
 
     @property
     def workers(self) -> list[str]:
@@ -93,9 +94,10 @@ def load_placement(plan_dir: Path) -> PlannedPlacement | None:
 def plan_for_devices(model_path: Path, devices_path: Path, out_dir: Path, training: TrainingConfig,
                      batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
                      memory_mode: str = "recompute", allow_groups: bool = False,
-                     side_by_side: bool = False) -> tuple[Manifest, PlannedPlacement]:
+                     side_by_side: bool = False, split_backward: bool = False) -> tuple[Manifest, PlannedPlacement]:
     """Plan ``model_path`` for the devices of ``devices_path`` and export the plan into ``out_dir`` (``side_by_side``:
-    for stages that run their forwards beside their backwards, docs/PLANNER.md)."""
+    for stages that run their forwards beside their backwards; ``split_backward``: for stages that compute their
+    weight gradients once a step; docs/PLANNER.md)."""
     from edgert.exporter.planner.replanner import Replanner
 
     devices = load_devices(devices_path)
@@ -104,7 +106,7 @@ def plan_for_devices(model_path: Path, devices_path: Path, out_dir: Path, traini
         whole = _whole_model_plan(model_path, scratch / "whole", training)
         replanner = Replanner(scratch / "whole", whole, scratch / "cache", devices=devices_path,
                               batch_size=batch_size, micro_batches=micro_batches, schedule=schedule,
-                              memory_mode=memory_mode, side_by_side=side_by_side)
+                              memory_mode=memory_mode, side_by_side=side_by_side, split_backward=split_backward)
         return _plan_and_export(replanner, devices, devices_path, out_dir, allow_groups, schedule, batch_size,
                                 micro_batches, memory_mode)
 
@@ -129,7 +131,7 @@ def _plan_and_export(replanner: Replanner, devices, devices_path: Path, out_dir:
                               predicted_step_ms=round(placement.predicted_step_ms, 3),
                               unused_devices=tuple(placement.unused_devices), schedule=schedule,
                               batch_size=batch_size, micro_batches=micro_batches, memory_mode=memory_mode,
-                              side_by_side=replanner.side_by_side)
+                              side_by_side=replanner.side_by_side, split_backward=replanner.split_backward)
     (out_dir / PLACEMENT_NAME).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return manifest, result
 

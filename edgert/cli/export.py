@@ -193,10 +193,14 @@ def _analysis_json(analysis) -> dict:
 @click.option("--side-by-side/--one-after-the-other", default=False, show_default=True,
               help="Plan for stages that run their forwards beside their backwards (1f1b, devices with 2 cores or "
                    "more): each device's cores split between the two; edgert train then runs so.")
+@click.option("--split-backward/--whole-backward", default=False, show_default=True,
+              help="Plan for stages that compute their weight gradients once a step (1f1b, gpipe; not the first "
+                   "stage), costed by the weight times of devices.json (edgert profile --split-backward); edgert "
+                   "train then runs so.")
 @click.option("--json", "as_json", is_flag=True, help="Print placement.json's content.")
 def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int, micro_batches: int, schedule: str,
                  memory_mode: str, learning_rate: float, optimizer: str, allow_groups: bool, side_by_side: bool,
-                 as_json: bool) -> None:
+                 split_backward: bool, as_json: bool) -> None:
     require_host_extra("plan")
     from dataclasses import asdict
 
@@ -204,7 +208,10 @@ def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int
 
     training = TrainingConfig(optimizer=optimizer, learning_rate=learning_rate)
     _, placement = plan_for_devices(model, devices_path, out_dir, training, batch_size, micro_batches, schedule,
-                                    memory_mode, allow_groups, side_by_side)
+                                    memory_mode, allow_groups, side_by_side, split_backward)
+    if split_backward and not _has_weight_times(devices_path):
+        click.echo(f"warning: {devices_path} has no weight-gradient times: the stages after the first are costed with "
+                   f"their whole backward (measure them with edgert profile --split-backward)", err=True)
     if as_json:
         click.echo(json.dumps(asdict(placement)))
         return
@@ -220,7 +227,15 @@ def plan_command(model: Path, devices_path: Path, out_dir: Path, batch_size: int
         click.echo(f"not used (they would slow the pipeline): {', '.join(placement.unused_devices)}")
     click.echo(f"train with: edgert train {out_dir} --workers {','.join(placement.workers)} "
                f"--schedule {schedule} --micro-batches {micro_batches} --memory-mode {memory_mode}"
-               + ("  (side by side, each stage with its threads: placement.json)" if side_by_side else ""))
+               + ("  (side by side, each stage with its threads: placement.json)" if side_by_side else "")
+               + ("  (weight gradients once a step: placement.json)" if split_backward else ""))
+
+
+def _has_weight_times(devices_path: Path) -> bool:
+    """Whether ``edgert profile --split-backward`` measured a split backward's weight call on some device."""
+    from edgert.devices import load_devices
+
+    return any(t.weight_ms for device in load_devices(devices_path).devices for t in device.blocks)
 
 
 def _devices_of(stage) -> str:

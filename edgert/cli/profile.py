@@ -26,11 +26,14 @@ from edgert.run_settings import RunSettings
 @click.option("--repeats", type=int, default=ProfileOptions.repeats, show_default=True)
 @click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=RunSettings.memory_mode, show_default=True,
               help="Measure the backward as training will run it (edgert train --memory-mode).")
+@click.option("--split-backward", is_flag=True,
+              help="Time each unit's backward split in two, as edgert train --split-backward runs it: the weight "
+                   "gradients' share (weight_ms) lets edgert plan --split-backward cost the split.")
 @click.option("--keys", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Cluster keystore (default $EDGERT_KEYS or ~/.edgert/cluster).")
 @click.option("--insecure", is_flag=True, help="Plaintext CoAP without authentication (prints a warning).")
 def profile_command(model: Path, workers: tuple[str, ...], out_path: Path, micro_batch: int, repeats: int,
-                    memory_mode: str, keys: Path | None, insecure: bool) -> None:
+                    memory_mode: str, split_backward: bool, keys: Path | None, insecure: bool) -> None:
     from edgert.cli.host import require_host_extra
 
     require_host_extra("profile")
@@ -40,7 +43,8 @@ def profile_command(model: Path, workers: tuple[str, ...], out_path: Path, micro
 
     folder = host_keys(keys, insecure)
     devices = profile_devices(model, list(workers), micro_batch, repeats, progress=lambda m: click.echo(m, err=True),
-                              memory_mode=memory_mode, security=None if folder is None else HostSecurity.open(folder))
+                              memory_mode=memory_mode, security=None if folder is None else HostSecurity.open(folder),
+                              split_backward=split_backward)
     save_devices(devices, out_path)
     for device in devices.devices:
         whole = device.whole

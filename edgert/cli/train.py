@@ -47,11 +47,12 @@ from edgert.schedule import SCHEDULES
                    "stages without BatchNorm): for workers with a core for each session's threads. Default: as "
                    "the plan was made (edgert plan --side-by-side), each worker then with the threads the plan "
                    "split for it; else one after the other.")
-@click.option("--split-backward", is_flag=True, default=TrainConfig.split_backward,
+@click.option("--split-backward/--whole-backward", default=TrainConfig.split_backward,
               help="Compute each stage's parameter gradients once a step, over all its micro-batches, after the "
                    "gradients its neighbour waits for (zero-bubble pipelines' B/W split): shorter backwards on the "
                    "pipeline's path, for the memory of the step's activations. Stages the plan split only (not "
-                   "the first: nothing waits for its backward).")
+                   "the first: nothing waits for its backward). Default: as the plan was made (edgert plan "
+                   "--split-backward), else whole.")
 @click.option("--memory-mode", type=click.Choice(MEMORY_MODES), default=TrainConfig.memory_mode, show_default=True,
               help="recompute: keep each in-flight micro-batch's inputs, recompute its forward in the backward; "
                    "stash: keep the activations the backward needs, recompute nothing (faster, more memory).")
@@ -94,7 +95,7 @@ from edgert.schedule import SCHEDULES
 def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs: int, steps: int | None,
                   batch_size: int, micro_batches: int, schedule: str, learning_rate: float | None, seed: int,
                   codec: str | None, grad_codec: str | None, threads: int, backward_threads: int | None,
-                  side_by_side: bool | None, split_backward: bool, memory_mode: str, out_dir: Path | None,
+                  side_by_side: bool | None, split_backward: bool | None, memory_mode: str, out_dir: Path | None,
                   overwrite: bool,
                   listen: str | None, keys: Path | None,
                   insecure: bool, advertise: str | None,

@@ -76,7 +76,9 @@ class TrainConfig:
     # forwards beside backwards; None: as the plan was made (placement.json, edgert plan --side-by-side), each
     # worker then with the threads the plan split for it; else RunSettings'
     side_by_side: bool | None = None
-    split_backward: bool = RunSettings.split_backward
+    # weight gradients once a step; None: as the plan was made (placement.json, edgert plan --split-backward),
+    # else RunSettings'
+    split_backward: bool | None = None
     connect_timeout: float = 5.0
     step_timeout: float = RunSettings.wait_timeout
     listen: str = "coap+tcp://0.0.0.0:0"
@@ -98,14 +100,16 @@ class TrainConfig:
     overwrite: bool = False  # out_dir may hold another run: its records are removed
     keys: Path | None = None  # the cluster keystore (edgert keys init); None: plaintext (--insecure)
 
-    def run_settings(self, training: TrainingConfig, planned_side_by_side: bool = False) -> RunSettings:
+    def run_settings(self, training: TrainingConfig, planned_side_by_side: bool = False,
+                     planned: PlannedPlacement | None = None) -> RunSettings:
         """What every stage of this run is told, training by ``training`` (the plan's, ``--lr`` applied);
-        ``planned_side_by_side``: the plan was made for forwards beside backwards."""
+        ``planned_side_by_side``: the plan was made for forwards beside backwards; ``planned``: the plan's
+        placement.json, if ``edgert plan`` made it."""
         given = {f"{d}_codec": getattr(self, f"{d}_codec") for d in DIRECTIONS if d not in self.planned_codecs()}
         side_by_side = planned_side_by_side if self.side_by_side is None else self.side_by_side
         return RunSettings(training=with_learning_rate(training, self.learning_rate), **given,
                            forward_threads=self.forward_threads, backward_threads=self.backward_threads,
-                           side_by_side=side_by_side, split_backward=self.split_backward,
+                           side_by_side=side_by_side, split_backward=self.splits_backward(planned),
                            wait_timeout=self.step_timeout, memory_mode=self.memory_mode,
                            replicate_every=self.replicate_every, central_every=self.central_every)
 
@@ -117,6 +121,17 @@ class TrainConfig:
         """Whether the stages run side by side because the plan was made so (its ``placement.json``; neither
         ``--side-by-side`` nor ``--one-after-the-other`` given): each worker then with its planned threads."""
         return self.side_by_side is None and placement is not None and placement.side_by_side
+
+    def runs_split_backward(self, plan_dir: Path) -> bool:
+        """Whether the stages compute their weight gradients once a step (re-plans are costed so)."""
+        return self.splits_backward(load_placement(plan_dir))
+
+    def splits_backward(self, placement: PlannedPlacement | None) -> bool:
+        """Whether the stages compute their weight gradients once a step: ``--split-backward`` or
+        ``--whole-backward`` if given, else as the plan was made (``placement``: its placement.json)."""
+        if self.split_backward is not None:
+            return self.split_backward
+        return placement.split_backward if placement is not None else RunSettings.split_backward
 
     def planned_codecs(self) -> tuple[str, ...]:
         """The directions whose codec each link takes from the plan: those not given on the command line."""
@@ -316,7 +331,8 @@ class Coordinator:
         planned = self.config.plans_side_by_side(placement)
         self.state.settings = RunBriefing(
             run_id=self.run_id, coordinator_url=f"{scheme}://{host}:{port}",
-            settings=self.config.run_settings(self.state.manifest.training, planned), replicas=self.config.replicas,
+            settings=self.config.run_settings(self.state.manifest.training, planned, placement),
+            replicas=self.config.replicas,
             signing=None if self.security is None else self.security.signing,
             planned_codecs=self.config.planned_codecs(),
             threads=placement.threads() if planned else {})

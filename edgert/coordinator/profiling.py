@@ -3,7 +3,8 @@
 The model is cut at every legal cut (each stage of that plan is a *unit*, the planner's
 atom); each worker receives every unit in turn, then the whole model as one stage, and
 times their forward and backward through its own runtime (``POST /profile``), then times
-its link to every other worker (``POST /probe``). The whole-model time tells how much of a
+its link to every other worker (``POST /probe``); with ``split_backward``, each unit's backward as
+two halves, the weight half also timed on its own (``weight_ms``). The whole-model time tells how much of a
 unit's time is the fixed cost of being a stage (session calls, boundary tensors). On a device
 with more than one core the whole model is timed again at a few thread counts (2, 4, 8 ... and
 every core): how each direction scales with threads, by which the planner splits the cores of a
@@ -65,8 +66,9 @@ def export_profile_plans(model_path: str | Path, out_dir: Path,
 def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int = ProfileOptions.micro_batch,
                     repeats: int = ProfileOptions.repeats,
                     progress: ProgressSink = lambda _: None, memory_mode: str = RunSettings.memory_mode,
-                    security: HostSecurity | None = None) -> DevicesFile:
-    """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode``; blocking.
+                    security: HostSecurity | None = None, split_backward: bool = False) -> DevicesFile:
+    """Measure ``workers`` on ``model_path``'s units and links, in ``memory_mode`` (``split_backward``: the units'
+    backwards split, as edgert train --split-backward runs them); blocking.
 
     With ``security`` (the cluster keystore) it talks coaps+tcp and signs what it sends; without, plaintext.
     """
@@ -75,11 +77,13 @@ def profile_devices(model_path: str | Path, workers: list[str], micro_batch: int
     with tempfile.TemporaryDirectory(prefix="edgert-profile-") as scratch:
         plans = export_profile_plans(model_path, Path(scratch))
         progress(f"{len(plans.units.stages)} units to measure on {len(workers)} device(s)")
-        return asyncio.run(_profile(plans, workers, micro_batch, repeats, progress, memory_mode, security))
+        return asyncio.run(_profile(plans, workers, micro_batch, repeats, progress, memory_mode, security,
+                                    split_backward))
 
 
 async def _profile(plans: ProfilePlans, workers: list[str], micro_batch: int, repeats: int,
-                   progress: ProgressSink, memory_mode: str, security: HostSecurity | None) -> DevicesFile:
+                   progress: ProgressSink, memory_mode: str, security: HostSecurity | None,
+                   split_backward: bool) -> DevicesFile:
     client = TensorClient(ClientConfig(timeout=600.0, retries=1, connect_timeout=5.0),
                           tls=None if security is None else security.tls)
     signing = None if security is None else security.signing
@@ -88,7 +92,7 @@ async def _profile(plans: ProfilePlans, workers: list[str], micro_batch: int, re
         devices = []
         for url, name in zip(workers, names):
             devices.append(await profile_device(client, plans, url, name, micro_batch, repeats, progress,
-                                                memory_mode, signing))
+                                                memory_mode, signing, split_backward=split_backward))
         links = []
         for i, source in enumerate(workers):
             for j, target in enumerate(workers):
@@ -116,13 +120,14 @@ async def _name(client: TensorClient, url: str) -> str:
 async def profile_device(client: TensorClient, plans: ProfilePlans, url: str, name: str, micro_batch: int,
                          repeats: int, progress: ProgressSink = lambda _: None,
                          memory_mode: str = RunSettings.memory_mode,
-                         signing: StageSigning | None = None, scaling: bool = True) -> DeviceProfile:
-    """Measure one worker on every unit, then on the whole model as one stage (signed with ``signing``), and with
-    ``scaling`` the whole model again at more threads."""
+                         signing: StageSigning | None = None, scaling: bool = True,
+                         split_backward: bool = False) -> DeviceProfile:
+    """Measure one worker on every unit (``split_backward``: their backwards split), then on the whole model as one
+    stage (signed with ``signing``), and with ``scaling`` the whole model again at more threads."""
     timings = []
     for entry, unit in zip(plans.units.stages, unit_names(plans.units)):
         meta = await _post_profile(client, url, plans.units_dir, plans.units, entry, micro_batch, repeats,
-                                   memory_mode, signing)
+                                   memory_mode, signing, split_backward=split_backward)
         timings.append(BlockTiming(**{**meta["timing"], "block": unit}))
     meta = await _post_profile(client, url, plans.whole_dir, plans.whole, plans.whole.stages[0], micro_batch,
                                repeats, memory_mode, signing)
@@ -148,12 +153,12 @@ def thread_counts(cores: int) -> list[int]:
 
 async def _post_profile(client: TensorClient, url: str, plan: Path, manifest: Manifest, entry: StageEntry,
                         micro_batch: int, repeats: int, memory_mode: str, signing: StageSigning | None,
-                        threads: int = 1) -> dict:
+                        threads: int = 1, split_backward: bool = False) -> dict:
     """``POST /profile`` one stage of ``manifest`` to the worker at ``url``, its sessions with ``threads`` ORT
-    threads each; its reply's meta."""
+    threads each (``split_backward``: its backward split where the plan has the halves); its reply's meta."""
     # a stage sent to be timed trains no run: it copies nothing (the copy intervals' defaults are a run's)
     settings = RunSettings(training=manifest.training, memory_mode=memory_mode, replicate_every=0, central_every=0,
-                           forward_threads=threads, backward_threads=threads)
+                           forward_threads=threads, backward_threads=threads, split_backward=split_backward)
     assignment = StageAssignment(run_id=PROFILE_RUN, entry=entry, stages=len(manifest.stages),
                                  peers=Peers(None, None, ""), settings=settings)
     envelope = assignment.to_envelope(assignment.read_files(plan))

@@ -113,7 +113,8 @@ class Replanning:
                                     devices=config.devices, threshold=config.replan_threshold,
                                     batch_size=config.batch_size, micro_batches=config.micro_batches,
                                     schedule=config.schedule, memory_mode=config.memory_mode,
-                                    side_by_side=config.runs_side_by_side(config.plan_dir))
+                                    side_by_side=config.runs_side_by_side(config.plan_dir),
+                                    split_backward=config.runs_split_backward(config.plan_dir))
         if config.devices is None:
             await self._profile(dict(self._state.known))
         self._ready = True
@@ -359,6 +360,6 @@ class Replanning:
         plans = self._profile_plans
         profiles = [await profile_device(self._client, plans, url, name, replanner.micro_batch, QUICK_PROFILE_REPEATS,
                                          memory_mode=replanner.memory_mode, signing=self._signing,
-                                         scaling=replanner.side_by_side)
+                                         scaling=replanner.side_by_side, split_backward=replanner.split_backward)
                     for url, name in workers.items()]
         replanner.use_profiles(profiles, tuple(unit_names(plans.units)))

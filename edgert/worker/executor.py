@@ -38,13 +38,12 @@ from edgert.worker.forward_lane import ForwardLane
 from edgert.worker.gate import StepGate
 from edgert.worker.group_exchange import GroupExchange
 from edgert.worker.inbox import Inbox
-from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
+from edgert.worker.slowdown import WEIGHT_CALL, SlowdownEmulator, SlowdownSchedule
 from edgert.worker.stage_timer import warm_up
 
 Sender = Callable[..., None]  # (key, tensors) and, on a link that carries row pieces, rows=<micro-batch size>
 GroupSender = Callable[[int, dict[str, np.ndarray], dict[str, Codec]], None]  # to the group's other members
 StepCallback = Callable[[StepReport], None]
-WEIGHTS = "weights"  # the slowdown emulator's name for a split backward's parameter-gradient call
 
 
 class StageExecutor:
@@ -221,7 +220,7 @@ class StageExecutor:
         started = self._clock()
         rows = self.session.finish_weights()
         if rows:
-            self._computed(report, "backward_ms", f"W{step}", started, step, (WEIGHTS, rows))
+            self._computed(report, "backward_ms", f"W{step}", started, step, (WEIGHT_CALL, rows))
 
     def _step(self, report: StepReport) -> None:
         started = self._clock()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from edgert.errors import EdgertError
 
+WEIGHT_CALL = "weights"  # the emulator's name for a split backward's weight-gradient call (with its rows)
+
 
 @dataclass(frozen=True)
 class SlowdownSchedule:

@@ -21,7 +21,7 @@ from edgert.manifest import BoundaryTensor
 from edgert.optimizer import make_optimizer
 from edgert.schedule import Computation
 from edgert.stage import StageSession
-from edgert.worker.slowdown import SlowdownEmulator, SlowdownSchedule
+from edgert.worker.slowdown import WEIGHT_CALL, SlowdownEmulator, SlowdownSchedule
 
 
 def random_tensor(tensor: BoundaryTensor, batch: int, rng: np.random.Generator) -> np.ndarray:
@@ -37,27 +37,30 @@ def measure_stage(session: StageSession, micro_batch: int, repeats: int, warmup:
     """Median forward and backward milliseconds of one micro-batch, and peak bytes.
 
     The backward is timed as training without stashing runs it: the forward it recomputes
-    included (a stashing session's forward time is added to it).
+    included (a stashing session's forward time is added to it); a session that splits its
+    backward, its two halves' calls together, the weight half's also on its own (``weight_ms``).
     """
     feeds = _random_feeds(session, micro_batch)
     emulator = SlowdownEmulator(slowdown)
-    forward, backward, optimizer = [], [], []
+    forward, backward, optimizer, weight = [], [], [], []
     saved = session.parameters()
     resident = _resident_bytes()
     _reset_peak()
     for attempt in range(warmup + repeats):
         emulate = attempt >= warmup  # warm-ups run back to back: they give the emulator warm times
-        forward_ms, backward_ms, optimizer_ms = _one_pass(session, feeds, micro_batch, emulator, emulate)
+        forward_ms, backward_ms, weight_ms, optimizer_ms = _one_pass(session, feeds, micro_batch, emulator, emulate)
         if emulate:
             forward.append(forward_ms)
-            backward.append(backward_ms + (forward_ms if session.stashing else 0.0))
+            backward.append(backward_ms + weight_ms + (forward_ms if session.stashing else 0.0))
+            weight.append(weight_ms)
             optimizer.append(optimizer_ms)
     peak = max(_peak_bytes() - resident, 0)
     session.load_parameters(saved)  # measuring must not train
     session.optimizer = make_optimizer(session.training)
     return BlockTiming(block=name or "+".join(session.entry.blocks), forward_ms=round(statistics.median(forward), 4),
                        backward_ms=round(statistics.median(backward), 4), peak_bytes=int(peak),
-                       optimizer_ms=round(statistics.median(optimizer), 4))
+                       optimizer_ms=round(statistics.median(optimizer), 4),
+                       weight_ms=round(statistics.median(weight), 4) if session.splits else 0.0)
 
 
 def warm_up(session: StageSession, micro_batch: int, emulator: SlowdownEmulator, passes: int = 2) -> None:
@@ -89,8 +92,9 @@ def _random_feeds(session: StageSession, micro_batch: int) -> Feeds:
 
 
 def _one_pass(session: StageSession, feeds: Feeds, rows: int, emulator: SlowdownEmulator,
-              emulate: bool) -> tuple[float, float, float]:
-    """Forward, backward and optimizer step, as the executor runs them; ms each (emulated or warm)."""
+              emulate: bool) -> tuple[float, float, float, float]:
+    """Forward, backward, a split backward's weight call and optimizer step, as the executor runs them; ms each
+    (emulated or warm)."""
     inputs, labels, gradients = feeds
     keep: dict | None = {} if session.stashing else None
     start = _clock()
@@ -99,10 +103,15 @@ def _one_pass(session: StageSession, feeds: Feeds, rows: int, emulator: Slowdown
     start = _clock()
     session.backward(inputs, output_gradients=gradients or None, labels=labels or None, saved=keep)
     backward_ms = _elapsed_ms(start, emulator, (Computation.BACKWARD, rows), session.single_threaded, emulate)
+    weight_ms = 0.0
+    if session.splits:
+        start = _clock()
+        session.finish_weights()
+        weight_ms = _elapsed_ms(start, emulator, (WEIGHT_CALL, rows), session.single_threaded, emulate)
     start = _clock()
     session.step()
     optimizer_ms = _elapsed_ms(start, emulator, Computation.STEP, True, emulate)
-    return forward_ms, backward_ms, optimizer_ms
+    return forward_ms, backward_ms, weight_ms, optimizer_ms
 
 
 def _clock() -> tuple[float, float]:

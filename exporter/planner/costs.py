@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from edgert.exporter.planner.problem import (
+    DEFERRED_TENSORS,
     PlanProblem,
+    defers_weights,
     held_on,
     side_by_side_on,
     stashes_activations,
@@ -29,9 +31,17 @@ def at_most(value: float, limit: float) -> bool:
 
 
 def device_times(problem: PlanProblem, first: int, end: int, device: int) -> tuple[float, float]:
-    """Forward and backward time (ms) of units ``[first, end)`` on one device, whole micro-batch."""
+    """Forward and backward time (ms) of units ``[first, end)`` on one device, whole micro-batch; a stage that
+    splits its backward (``defers_weights``) without the weight gradients it computes once a step."""
     costs = problem.devices[device]
-    return sum(costs.forward_ms[first:end]), sum(costs.backward_ms[first:end])
+    return (sum(costs.forward_ms[first:end]),
+            sum(costs.backward_ms[first:end]) - deferred_ms(problem, first, end, device))
+
+
+def deferred_ms(problem: PlanProblem, first: int, end: int, device: int) -> float:
+    """The weight gradients (ms per micro-batch) a stage of units ``[first, end)`` leaves to once a step."""
+    weights = problem.devices[device].weight_ms
+    return sum(weights[first:end]) if weights and defers_weights(problem, first) else 0.0
 
 
 def device_work(problem: PlanProblem, first: int, end: int, device: int, last: bool) -> float:
@@ -91,6 +101,14 @@ def simulated_times(problem: PlanProblem, stage: Stage, last: bool) -> tuple[flo
     return forward, backward + allreduce_ms(problem, stage)
 
 
+def weights_step_ms(problem: PlanProblem, stage: Stage, last: bool) -> float:
+    """The stage's once-a-step weight call over all the step's micro-batches, before its optimizer step: its
+    slowest member's share (0 when it does not split its backward)."""
+    first, end, devices = stage
+    split = shares(problem, stage, last)
+    return max(share * deferred_ms(problem, first, end, d) for share, d in zip(split, devices)) * problem.micro_batches
+
+
 def memory_bytes(problem: PlanProblem, first: int, end: int, device: int, rank: int) -> int:
     """Bytes one device needs for units ``[first, end)`` when ``rank`` stages follow it.
 
@@ -98,7 +116,7 @@ def memory_bytes(problem: PlanProblem, first: int, end: int, device: int, rank: 
     in-flight micro-batch (not on the last stage); each in-flight micro-batch's stage inputs
     and, when activations are stashed, its saved tensors (not on the last stage, whose
     forward is folded into its backward); a group member is charged the whole micro-batch;
-    the largest backward peak.
+    the largest backward peak; splitting its backward, what its weight call reads of the step's micro-batches.
     """
     params = sum(unit.param_bytes for unit in problem.units[first:end])
     held = held_on(problem, rank, device)
@@ -107,7 +125,16 @@ def memory_bytes(problem: PlanProblem, first: int, end: int, device: int, rank: 
     if stashes_activations(problem, rank):
         kept += sum(unit.saved_bytes for unit in problem.units[first:end])
     peak = max(problem.devices[device].peak_bytes[first:end])
-    return params * (2 + problem.optimizer_slots) + stash + held * problem.micro_batch * kept + peak
+    return (params * (2 + problem.optimizer_slots) + stash + held * problem.micro_batch * kept + peak
+            + deferred_bytes(problem, first, end))
+
+
+def deferred_bytes(problem: PlanProblem, first: int, end: int) -> int:
+    """What a stage that defers its weight gradients keeps for its weight call: every micro-batch of the step."""
+    if not defers_weights(problem, first):
+        return 0
+    saved = sum(unit.saved_bytes for unit in problem.units[first:end])
+    return DEFERRED_TENSORS * saved * problem.micro_batch * problem.micro_batches
 
 
 def fits(problem: PlanProblem, first: int, end: int, device: int, rank: int) -> bool:

@@ -81,8 +81,9 @@ def build_placement(problem: PlanProblem, stages: Sequence[Stage]) -> Placement:
     link_times = [ms for _, ms in links]
     timings = [costs.simulated_times(problem, stage, last) for stage, last in zip(stages, lasts)]
     beside = [all(side_by_side_on(problem, d) for d in devices) for _, _, devices in stages]
+    weights = [costs.weights_step_ms(problem, stage, last) for stage, last in zip(stages, lasts)]
     step = step_ms(problem.schedule, [f for f, _ in timings], [b for _, b in timings], problem.micro_batches,
-                   link_times, beside)
+                   link_times, beside, weights)
     used = {d for stage in stages for d in stage[2]}
     return Placement(
         stages=tuple(_stage_plan(problem, stage, count - 1 - s, ms, lasts[s])
@@ -93,10 +94,16 @@ def build_placement(problem: PlanProblem, stages: Sequence[Stage]) -> Placement:
 
 
 def step_ms(schedule: str, forward_ms: list[float], backward_ms: list[float], micro_batches: int,
-            link_ms: list[float], side_by_side: Sequence[bool] = ()) -> float:
+            link_ms: list[float], side_by_side: Sequence[bool] = (), weights_ms: Sequence[float] = ()) -> float:
     """Predicted time per optimizer step: a synchronous schedule's window of ``micro_batches`` (``side_by_side``:
-    the stages whose forwards run beside their backwards); under ``async`` (no flush) the steady interval
-    between steps, not one batch's trip through the pipeline."""
+    the stages whose forwards run beside their backwards); with ``weights_ms`` (each stage's weight call before
+    its step, a split backward's) the interval between two steps run back to back, since a later stage's weight
+    call overlaps the next step's first forwards on the stages before it; under ``async`` (no flush) the steady
+    interval between steps, not one batch's trip through the pipeline."""
+    if schedule != Schedule.ASYNC and any(weights_ms):
+        one, two = (simulate(schedule, forward_ms, backward_ms, micro_batches, link_ms, side_by_side, weights_ms,
+                             steps) for steps in (1, 2))
+        return two - one
     if schedule != Schedule.ASYNC:
         return simulate(schedule, forward_ms, backward_ms, micro_batches, link_ms, side_by_side)
     warm = 2 * len(forward_ms) + 2  # enough steps for the pipeline to be full
@@ -196,6 +203,9 @@ def _breakdown(problem: PlanProblem, first: int, end: int, device: int, rank: in
     if stashes_activations(problem, rank):
         saved = held * problem.micro_batch * sum(unit.saved_bytes for unit in problem.units[first:end])
         parts.insert(-1, f"{held} micro-batch(es) of saved activations {size_text(saved)}")
+    deferred = costs.deferred_bytes(problem, first, end)
+    if deferred:
+        parts.insert(-1, f"what the weight call reads of {problem.micro_batches} micro-batch(es) {size_text(deferred)}")
     return ", ".join(parts)
 
 

@@ -41,6 +41,8 @@ class DeviceCosts:
     # Amdahl's parallel fraction of each direction's time with ORT threads (threads.py; 0: unmeasured, no gain)
     forward_parallel: float = 0.0
     backward_parallel: float = 0.0
+    # per unit: the part of backward_ms a split backward computes once a step (empty or 0: unmeasured, costed whole)
+    weight_ms: tuple[float, ...] = ()
 
     @property
     def last_call(self) -> float:
@@ -63,6 +65,7 @@ class PlanProblem:
     allow_groups: bool = False  # a stage may run on several devices splitting each micro-batch
     stash: bool = False  # activation stashing: a stage's backward does not recompute its forward
     side_by_side: bool = False  # a stage's forwards may run beside its backwards (see side_by_side_on)
+    split_backward: bool = False  # stages after the first compute their weight gradients once a step (defers_weights)
     codecs: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CODECS), hash=False)
 
     def codec_ladder(self) -> tuple[tuple[str, float], ...]:
@@ -92,6 +95,18 @@ def side_by_side_on(problem: PlanProblem, device: int) -> bool:
     """Whether a stage that is not the last runs its forwards beside its backwards on ``device``: asked for,
     under 1F1B (GPipe has nothing to overlap; ``async`` keeps one thread), and with a core for each."""
     return problem.side_by_side and problem.schedule == Schedule.ONE_F_ONE_B and problem.devices[device].cores >= 2
+
+
+def defers_weights(problem: PlanProblem, first: int) -> bool:
+    """Whether a stage starting at unit ``first`` leaves its weight gradients to once a step: split backward asked
+    for, not the first stage (nothing waits for its backward), and a synchronous schedule (``async`` computes them
+    right after each backward, with the weights its forward read)."""
+    return problem.split_backward and first > 0 and problem.schedule != Schedule.ASYNC
+
+
+# What a stage that defers its weight gradients keeps of every micro-batch of the step until its weight call, per row
+# and unit: a layer's input and its output's gradient, each bounded as a stashing stage's saved tensors (saved_bytes).
+DEFERRED_TENSORS = 2
 
 
 def held_on(problem: PlanProblem, rank: int, device: int) -> int:
@@ -154,6 +169,14 @@ def _check_devices(devices: Sequence[DeviceCosts], units: int) -> None:
             bad = [v for v in values if not (math.isfinite(v) and v >= 0)]
             if bad:
                 raise PlanError(f"device {device.name!r}: {label} must be finite and >= 0 (got {bad[0]!r})")
+        if device.weight_ms and len(device.weight_ms) != units:
+            raise PlanError(f"device {device.name!r}: weight_ms has {len(device.weight_ms)} entries for {units} units "
+                            f"(or none: unmeasured)")
+        over = [(u, w) for u, w in enumerate(device.weight_ms)
+                if not (math.isfinite(w) and 0 <= w <= device.backward_ms[u])]
+        if over:
+            raise PlanError(f"device {device.name!r}: weight_ms of unit {over[0][0]} must be finite, >= 0 and at most "
+                            f"its backward_ms (got {over[0][1]!r})")
         if device.memory_bytes < 0:
             raise PlanError(f"device {device.name!r}: memory_bytes must be >= 0, 0 = unlimited "
                             f"(got {device.memory_bytes})")

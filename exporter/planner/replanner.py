@@ -125,13 +125,14 @@ class Replanner:
 
     def __init__(self, plan_dir: Path, manifest: Manifest, cache_dir: Path, devices: Path | None = None,
                  threshold: float = 0.1, batch_size: int = 64, micro_batches: int = 4, schedule: str = "1f1b",
-                 memory_mode: str = "recompute", side_by_side: bool = False):
+                 memory_mode: str = "recompute", side_by_side: bool = False, split_backward: bool = False):
         self.source_path = Path(plan_dir) / SOURCE_FILE  # the model the units of a live profile are cut from
         self.source = load_plan_source(plan_dir, manifest.source_sha256)
         self.analysis: ModelAnalysis = prepare_analysis(self.source, ExportOptions(frozen=frozen_in(manifest.metadata)))
         self.training = manifest.training
         self.memory_mode = memory_mode
         self.side_by_side = side_by_side  # stages run their forwards beside their backwards (costed so)
+        self.split_backward = split_backward  # stages after the first compute their weight gradients once a step
         self.cache_dir = cache_dir
         self.threshold = threshold
         self.schedule = schedule
@@ -320,13 +321,24 @@ class Replanner:
             devices.append(DeviceCosts(name=worker, forward_ms=tuple(forward), backward_ms=tuple(backward),
                                        peak_bytes=peaks, memory_bytes=profile.memory_bytes if profile else 0,
                                        cores=profile.cores if profile else 1, call_ms=call,
-                                       last_call_ms=last_call, **parallel_fractions(profile)))
+                                       last_call_ms=last_call, **parallel_fractions(profile),
+                                       weight_ms=self._weights(worker, backward)))
         bandwidth, rtt = self._links(workers)
         slots = 2 if self.training.optimizer == "adamw" else int(bool(self.training.momentum))
         return PlanProblem(units=units, devices=tuple(devices), bandwidth=bandwidth, rtt_ms=rtt,
                            micro_batch=self.micro_batch, micro_batches=self.micro_batches, schedule=self.schedule,
                            optimizer_slots=slots, stash=self.stashing, allow_groups=allow_groups,
-                           side_by_side=self.side_by_side)
+                           side_by_side=self.side_by_side, split_backward=self.split_backward)
+
+    def _weights(self, worker: str, backward: list[float]) -> tuple[float, ...]:
+        """Of each unit's ``backward`` (as :meth:`_costs` gives it), the weight gradients a split backward computes
+        once a step, as the worker's profile measured them (``edgert profile --split-backward``); none measured:
+        empty, and the planner costs the backward whole."""
+        profile = self._profile(worker)
+        if profile is None or not any(t.weight_ms for t in profile.blocks):
+            return ()
+        scale = self.micro_batch / self.devices.micro_batch * self._factor.get(worker, 1.0)
+        return tuple(min(t.weight_ms * scale, b) for t, b in zip(profile.blocks, backward))
 
     def _unit(self, index: int, first: int, end: int):
         from edgert.exporter.planner.solver import Unit

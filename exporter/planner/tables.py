@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgert.exporter.planner.costs import TINY_MS
-from edgert.exporter.planner.problem import PlanProblem, held_on, side_by_side_on, stashes_activations, stashes_weights
+from edgert.exporter.planner.problem import (
+    DEFERRED_TENSORS,
+    PlanProblem,
+    defers_weights,
+    held_on,
+    side_by_side_on,
+    stashes_activations,
+    stashes_weights,
+)
 from edgert.exporter.planner.threads import scaled
 
 
@@ -43,29 +51,44 @@ def build_tables(problem: PlanProblem) -> Tables:
     units, devices = len(problem.units), len(problem.devices)
     forward = _prefix([d.forward_ms for d in problem.devices])
     backward = _prefix([d.backward_ms for d in problem.devices])
+    deferred, unit_deferred = _deferred(problem)
     upper = np.triu(np.ones((units + 1, units + 1), dtype=bool), k=1)
     # stashing: the forward (F) plus a backward without the recomputed forward (B - F) is B
-    per_range = _ranges(backward) if problem.stash else _ranges(forward) + _ranges(backward)
-    per_range, unit_work = _side_by_side(problem, forward, backward, per_range,
-                                         np.diff(backward if problem.stash else forward + backward, axis=1))
+    per_range = (_ranges(backward) if problem.stash else _ranges(forward) + _ranges(backward)) - deferred
+    per_range, unit_work = _side_by_side(problem, forward, backward, deferred, unit_deferred, per_range,
+                                         np.diff(backward if problem.stash else forward + backward, axis=1)
+                                         - unit_deferred)
     calls = np.array([d.call_ms for d in problem.devices], dtype=float)
     work = np.where(upper, np.maximum(per_range + calls[:, None, None], TINY_MS), np.inf)
     last_calls = np.array([d.last_call for d in problem.devices], dtype=float)
-    last_work = np.maximum(backward[:, -1:] - backward + last_calls[:, None], TINY_MS)
+    last_work = np.maximum(backward[:, -1:] - backward - deferred[:, :, -1] + last_calls[:, None], TINY_MS)
     last_work[:, -1] = np.inf
     params = _ranges(_prefix([[u.param_bytes for u in problem.units]]))[0]
     bandwidth = np.array(problem.bandwidth, dtype=float)
     np.fill_diagonal(bandwidth, np.inf)
     return Tables(units=units, devices=devices, work=work, speed=1.0 / work, last_work=last_work,
                   unit_work=unit_work,
-                  unit_backward=np.diff(backward, axis=1),
+                  unit_backward=np.diff(backward, axis=1) - unit_deferred,
                   max_rank=_max_rank(problem, params, upper), params=params,
                   state_factor=2 + problem.optimizer_slots, memory=_memory(problem),
                   links=_links(problem, bandwidth), bandwidth=bandwidth,
                   allreduce_factor=2.0 * 1000.0 * problem.steps_per_microbatch())
 
 
-def _side_by_side(problem: PlanProblem, forward: np.ndarray, backward: np.ndarray, per_range: np.ndarray,
+def _deferred(problem: PlanProblem) -> tuple[np.ndarray, np.ndarray]:
+    """``(devices, U+1, U+1)``: the weight gradients range ``[j, k)`` leaves to once a step (costs.deferred_ms: 0 for
+    ``j = 0``, the first stage); and ``(devices, U)``: each unit's, the most any stage holding it defers."""
+    units, devices = len(problem.units), len(problem.devices)
+    weights = np.array([d.weight_ms or (0.0,) * units for d in problem.devices], dtype=float)
+    if not defers_weights(problem, 1):
+        return np.zeros((devices, units + 1, units + 1)), np.zeros((devices, units))
+    deferred = _ranges(_prefix(weights))
+    deferred[:, 0, :] = 0.0
+    return deferred, weights
+
+
+def _side_by_side(problem: PlanProblem, forward: np.ndarray, backward: np.ndarray, deferred: np.ndarray,
+                  unit_deferred: np.ndarray, per_range: np.ndarray,
                   unit_work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """On a device whose stages run side by side, a range costs the longer of its forward and backward at the
     best split of the cores (costs.side_by_side_split): not a sum over units, so each unit's share of the
@@ -75,12 +98,13 @@ def _side_by_side(problem: PlanProblem, forward: np.ndarray, backward: np.ndarra
     for d, costs in enumerate(problem.devices):
         if not side_by_side_on(problem, d):
             continue
-        forwards, backwards = _ranges(forward[d:d + 1])[0], _ranges(gradients[d:d + 1])[0]
+        forwards, backwards = _ranges(forward[d:d + 1])[0], _ranges(gradients[d:d + 1])[0] - deferred[d]
         splits = [np.maximum(forwards * scaled(1.0, costs.forward_parallel, f),
                              backwards * scaled(1.0, costs.backward_parallel, costs.cores - f))
                   for f in range(1, costs.cores)]
         per_range[d] = np.minimum.reduce(splits)
-        unit_work[d] = np.diff(gradients[d]) * scaled(1.0, costs.backward_parallel, costs.cores - 1)
+        unit_work[d] = (np.diff(gradients[d]) - unit_deferred[d]) * scaled(1.0, costs.backward_parallel,
+                                                                         costs.cores - 1)
     return per_range, unit_work
 
 
@@ -114,12 +138,14 @@ def _max_rank(problem: PlanProblem, params: np.ndarray, upper: np.ndarray) -> np
     saved = _ranges(_prefix([[u.saved_bytes for u in problem.units]]))[0] * problem.micro_batch
     limits = _memory(problem)
     state = params * (2 + problem.optimizer_slots)
+    deferred = saved * (DEFERRED_TENSORS * problem.micro_batches if defers_weights(problem, 1) else 0.0)
+    deferred[0, :] = 0.0  # costs.deferred_bytes: not the first stage
     max_rank = np.full((devices, units + 1, units + 1), -1, dtype=np.int64)
     for rank in range(devices):
         held = np.array([held_on(problem, rank, d) for d in range(devices)], dtype=float)[:, None, None]
         stash = held if stashes_weights(problem, rank) else 0
         kept = inputs[:, None] + (saved if stashes_activations(problem, rank) else 0.0)
-        need = state + stash * params + held * kept + peak
+        need = state + stash * params + held * kept + peak + deferred
         max_rank[(need <= limits[:, None, None]) & upper] = rank
     return max_rank
 

@@ -10,6 +10,7 @@ import pytest
 from edgert.exporter.errors import PlanError
 from edgert.exporter.planner.costs import memory_bytes
 from edgert.exporter.planner.solver import brute_force, evaluate, plan
+from edgert.schedule import simulate
 from tests.planner.planner_instances import random_problem, uniform_problem
 
 
@@ -39,13 +40,13 @@ def test_a_ten_times_slower_device_is_left_unused():
     assert brute_force(uniform_problem([1, 1, 10], units=6)).bottleneck_ms == pytest.approx(8.0)
 
 
-def _instances(count: int, groups: bool, memory: bool, side_by_side: bool = False):
+def _instances(count: int, groups: bool, memory: bool, side_by_side: bool = False, split_backward: bool = False):
     for seed in range(count):
         rng = random.Random(seed)
         schedules = ["1f1b"] if side_by_side else ["gpipe", "1f1b", "async"]
         yield seed, random_problem(seed, devices=rng.randint(1, 4), units=rng.randint(1, 7), memory=memory,
                                    allow_groups=groups, schedule=rng.choice(schedules), stash=seed % 3 == 0,
-                                   side_by_side=side_by_side)
+                                   side_by_side=side_by_side, split_backward=split_backward)
 
 
 def _same_or_both_impossible(problem):
@@ -105,6 +106,55 @@ def test_plan_matches_brute_force_side_by_side():
         assert found.bottleneck_ms == pytest.approx(expected.bottleneck_ms, rel=1e-9), seed
         checked += 1
     assert checked >= 45
+
+
+def test_split_backward_leaves_the_weight_gradients_of_stages_after_the_first_to_the_step():
+    # Backward 2 a unit, 1 of it weight gradients. The first stage pays F 1 + B 2 = 3 a unit, the last stage
+    # after it B - W = 1: cut 1 gives (3, 3) where one backward per micro-batch cut 1 or 2 did (3, 6) or (6, 4).
+    split = uniform_problem([1, 1], units=4, weight_ms=1.0, split_backward=True)
+    placement = plan(split)
+    assert placement.cut_units() == [1]
+    assert [s.compute_ms for s in placement.stages] == pytest.approx([3.0, 3.0])
+    whole = plan(replace(split, split_backward=False))
+    assert whole.bottleneck_ms == pytest.approx(6.0)
+    # the step: the 4 micro-batches' weight call (4 x 3 units x 1 ms) after the last stage's last backward, of
+    # which the next step's first forward on stage 0 hides some: the interval between two steps back to back
+    two, one = (simulate("1f1b", [1.0, 3.0], [2.0, 3.0], 4, [placement.link_ms[0]], weights_ms=[0.0, 12.0],
+                         steps=steps) for steps in (2, 1))
+    assert placement.predicted_step_ms == pytest.approx(two - one)
+    assert simulate("1f1b", [1.0, 3.0], [2.0, 3.0], 4, [placement.link_ms[0]]) < two - one < one
+    assert placement.predicted_step_ms < whole.predicted_step_ms
+    # async computes the weight gradients after each backward; unmeasured weights are costed whole: no change
+    for same in (replace(split, schedule="async"), uniform_problem([1, 1], units=4, split_backward=True)):
+        assert plan(same).bottleneck_ms == pytest.approx(plan(replace(same, split_backward=False)).bottleneck_ms)
+
+
+def test_split_backward_charges_memory_for_the_weight_call():
+    # the last stage keeps 2 tensors of saved_bytes per unit and row for each of the step's micro-batches
+    problem = uniform_problem([1, 1], units=4, weight_ms=1.0, split_backward=True, saved_bytes=1000)
+    assert memory_bytes(problem, 1, 4, 1, 0) - memory_bytes(replace(problem, split_backward=False), 1, 4, 1, 0) \
+        == 2 * 3 * 1000 * 8 * 4
+    assert memory_bytes(problem, 0, 2, 0, 1) == memory_bytes(replace(problem, split_backward=False), 0, 2, 0, 1)
+    tight = replace(problem, devices=tuple(replace(d, memory_bytes=memory_bytes(problem, 1, 4, 1, 0) - 1)
+                                           for d in problem.devices))
+    with pytest.raises(PlanError, match="what the weight call reads of 4 micro-batch"):
+        evaluate(tight, [(0, 1, ("dev0",)), (1, 4, ("dev1",))])
+
+
+@pytest.mark.parametrize("side_by_side", [False, True])
+def test_plan_matches_brute_force_with_split_backward(side_by_side):
+    checked = changed = 0
+    for seed, problem in _instances(60, groups=False, memory=True, side_by_side=side_by_side, split_backward=True):
+        found, expected = _same_or_both_impossible(problem)
+        if found is None:
+            continue
+        assert found.bottleneck_ms == pytest.approx(expected.bottleneck_ms, rel=1e-9), seed
+        if not side_by_side:
+            assert found.latency_ms() == pytest.approx(expected.latency_ms(), rel=1e-9), seed
+        checked += 1
+        changed += found.bottleneck_ms < plan(replace(problem, split_backward=False)).bottleneck_ms * (1 - 1e-9)
+    assert checked >= 40
+    assert changed >= 10  # the split shortens many optima (not one device's, nor async's)
 
 
 def test_plan_matches_brute_force_with_groups_and_unlimited_memory():

@@ -41,6 +41,16 @@ def test_device_cost_lengths_must_match_the_units():
         plan(replace(problem, devices=(problem.devices[0], short)))
 
 
+def test_weight_gradients_must_be_one_per_unit_and_part_of_the_backward():
+    problem = uniform_problem([1, 1], units=3, split_backward=True)  # backward 2 ms a unit
+    for weights, message in (((1.0, 1.0), r"device 'dev1': weight_ms has 2 entries for 3 units \(or none"),
+                             ((1.0, 2.5, 1.0), r"device 'dev1': weight_ms of unit 1 must be finite, >= 0 and at "
+                                               r"most its backward_ms \(got 2.5\)")):
+        bad = replace(problem.devices[1], weight_ms=weights)
+        with pytest.raises(PlanError, match=message):
+            plan(replace(problem, devices=(problem.devices[0], bad)))
+
+
 def test_negative_times_and_duplicate_names():
     problem = uniform_problem([1, 1], units=3)
     negative = replace(problem.devices[0], backward_ms=(1.0, -2.0, 1.0))

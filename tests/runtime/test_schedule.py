@@ -74,6 +74,31 @@ def test_forwards_side_by_side_shorten_1f1b_to_the_backwards_bound():
     assert simulate("async", forward, backward, 8, side_by_side=[True, True]) == simulate("async", forward, backward, 8)
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_steps_back_to_back_take_one_window_each_without_a_weight_call(kind):
+    forward, backward, links = [1.0, 2.0, 1.0], [2.0, 3.0, 2.0], [0.1, 0.2]
+    one = simulate(kind, forward, backward, 4, links)
+    assert simulate(kind, forward, backward, 4, links, steps=3) == pytest.approx(3 * one)
+    beside = [True, True, False]
+    assert simulate(kind, forward, backward, 4, links, beside, steps=2) == pytest.approx(
+        2 * simulate(kind, forward, backward, 4, links, beside))
+
+
+def test_a_later_stages_weight_call_overlaps_the_next_steps_first_forwards():
+    # two stages, F = 1, B = 2, 4 micro-batches: one window takes 12. The last stage's last backward ends at 9;
+    # the next step's first forward reaches it at 13 (stage 0's last backward, its step, its forward): a weight
+    # call of up to 4 before the step costs the interval between steps nothing, a longer one its excess
+    forward, backward = [1.0, 1.0], [2.0, 2.0]
+
+    def interval(weights: float) -> float:
+        return (simulate("1f1b", forward, backward, 4, [0.0], weights_ms=[0.0, weights], steps=2)
+                - simulate("1f1b", forward, backward, 4, [0.0], weights_ms=[0.0, weights]))
+
+    assert simulate("1f1b", forward, backward, 4, [0.0]) == 12.0
+    assert simulate("1f1b", forward, backward, 4, [0.0], weights_ms=[0.0, 5.0]) == 14.0  # one window: its makespan
+    assert [interval(w) for w in (0.0, 4.0, 5.0, 20.0)] == pytest.approx([12.0, 12.0, 13.0, 28.0])
+
+
 def test_1f1b_bounds_memory_where_gpipe_does_not():
     gpipe = [max_in_flight(stage_actions("gpipe", s, 4, 8)) for s in range(4)]
     f1b = [max_in_flight(stage_actions("1f1b", s, 4, 8)) for s in range(4)]

@@ -1,4 +1,4 @@
-"""tools/planned_side_by_side.py: real workers pinned to cores of their own, profiled, planned both ways, trained."""
+"""tools/planned_gain.py: real workers pinned to cores of their own, profiled, planned both ways, trained."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "planned_side_by_side.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "planned_gain.py"
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
 
@@ -26,6 +26,20 @@ def test_one_core_workers_are_planned_the_same_both_ways_and_each_plan_trains(tm
     assert figures["predicted_side_by_side_vs_one_after_the_other"] == 1.0
     assert all(len(rates) == 1 and rates[0] > 0 for rates in figures["samples_per_s"].values())
     assert figures["side_by_side_vs_one_after_the_other"] > 0
+    assert figures["weight_share"] == 0.0  # profiled whole
+
+
+def test_a_plan_for_the_split_backward_is_profiled_split_and_trains(tmp_path):
+    result = subprocess.run([sys.executable, str(TOOL), "--variant", "split-backward", "--workers", "2",
+                             "--cores-per-worker", "1", "--model", "mlp", "--steps", "2", "--rounds", "1", "--json"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert set(figures["plans"]) == {"whole_backward", "split_backward"}
+    assert 0.0 < figures["weight_share"] < 0.7  # the profile timed the weight halves: part of each backward
+    assert all(len(rates) == 1 and rates[0] > 0 for rates in figures["samples_per_s"].values())
+    assert figures["split_backward_vs_whole_backward"] > 0
+    assert figures["predicted_split_backward_vs_whole_backward"] >= 1.0  # the planner costs the split lower or equal
 
 
 def test_more_cores_than_this_process_may_use_are_refused_in_one_line(tmp_path):
