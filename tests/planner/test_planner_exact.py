@@ -157,9 +157,10 @@ def test_plan_matches_brute_force_with_split_backward(side_by_side):
     assert changed >= 10  # the split shortens many optima (not one device's, nor async's)
 
 
-def test_plan_matches_brute_force_with_groups_and_unlimited_memory():
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_plan_matches_brute_force_with_groups_and_unlimited_memory(split_backward):
     grouped = 0
-    for seed, problem in _instances(60, groups=True, memory=False):
+    for seed, problem in _instances(60, groups=True, memory=False, split_backward=split_backward):
         found, expected = plan(problem), brute_force(problem)
         assert found.bottleneck_ms == pytest.approx(expected.bottleneck_ms, rel=1e-9), seed
         assert found.latency_ms() == pytest.approx(expected.latency_ms(), rel=1e-9), seed
