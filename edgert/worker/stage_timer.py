@@ -60,7 +60,7 @@ def measure_stage(session: StageSession, micro_batch: int, repeats: int, warmup:
     return BlockTiming(block=name or "+".join(session.entry.blocks), forward_ms=round(statistics.median(forward), 4),
                        backward_ms=round(statistics.median(backward), 4), peak_bytes=int(peak),
                        optimizer_ms=round(statistics.median(optimizer), 4),
-                       weight_ms=round(statistics.median(weight), 4) if session.splits else 0.0)
+                       weight_ms=round(statistics.median(weight), 4))
 
 
 def warm_up(session: StageSession, micro_batch: int, emulator: SlowdownEmulator, passes: int = 2) -> None:

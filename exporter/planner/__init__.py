@@ -12,6 +12,7 @@ Map of the package (docs/PLANNER.md):
 - ``search.py``     every device order up to ``EXACT_DEVICES``, beam and local search beyond
 - ``placement.py``  :class:`Placement`, :class:`StagePlan`, :func:`evaluate`: the planner's answer, for any stages
 - ``brute.py``      :func:`brute_force`: the exhaustive reference for tests
+- ``profile_costs.py`` a device's per-unit costs from its profile: fixed cost per stage, thread scaling, weight halves
 - ``replanner.py``  :class:`Replanner`: measured or predicted device costs -> the problem -> a better placement?
 
 :func:`plan` and everything it calls touch no files (``replanner.py`` is the side that reads

@@ -23,7 +23,7 @@ from edgert.exporter.analyse import ModelAnalysis
 from edgert.exporter.errors import PlanError, PredictorError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.normalise import frozen_in
-from edgert.exporter.planner.threads import parallel_fraction
+from edgert.exporter.planner.profile_costs import UnitCosts, parallel_fractions, profiled_weights, split_stage_cost
 from edgert.exporter.predictor.features import block_features, join_features
 from edgert.exporter.predictor.latency import LatencyPredictor
 from edgert.exporter.predictor.observations import observations_from_devices
@@ -40,43 +40,6 @@ FALLBACK_BANDWIDTH = 100e6  # bytes/s when no link was measured
 BACKWARD_PER_FORWARD = 3.0  # a backward call: recomputed forward + gradients, in forward-FLOP units
 FALLBACK_MS_PER_FLOP = 1e-6  # without a profile: 1 GFLOP/s; the measured stage times correct it
 FALLBACK_OPTIMIZER_MS_PER_BYTE = 3e-7
-
-
-@dataclass(frozen=True)
-class UnitCosts:
-    """A worker's ms per micro-batch for every unit, and the fixed cost of a stage (whatever its units)."""
-
-    forward: list[float]
-    backward: list[float]
-    optimizer: list[float]
-    call: tuple[float, float, float] = (0.0, 0.0, 0.0)  # forward, backward and optimizer calls of a stage
-
-
-def split_stage_cost(forward: list[float], backward: list[float], optimizer: list[float],
-                     whole: tuple[float, float, float] | None, param_bytes: list[int] | None = None) -> UnitCosts:
-    """Reconcile one-unit measurements with the whole model measured as one stage.
-
-    ``n`` units measured alone pay a stage's fixed cost (session calls, boundary tensors)
-    ``n`` times, the whole model once: when the units sum to more than the whole, the fixed
-    cost is ``c = (sum - whole) / (n - 1)`` (at most the cheapest unit) and leaves the units.
-    When they sum to less (the optimizer: a large stage's state outgrows the caches), the
-    excess is spread over the units, by parameter bytes for the optimizer.
-    """
-    if whole is None or len(forward) < 2:
-        return UnitCosts(forward, backward, optimizer)
-    call, net = [], []
-    for kind, (values, total) in enumerate(zip((forward, backward, optimizer), whole)):
-        excess = total - sum(values)
-        if excess > 0:
-            weights = param_bytes if kind == 2 and param_bytes and sum(param_bytes) > 0 else values
-            scale = excess / sum(weights) if sum(weights) > 0 else 0.0
-            call.append(0.0)
-            net.append([v + w * scale for v, w in zip(values, weights)])
-        else:
-            fixed = min(-excess / (len(values) - 1), min(values))
-            call.append(fixed)
-            net.append([v - fixed for v in values])
-    return UnitCosts(*net, call=tuple(call))
 
 
 @dataclass(frozen=True)
@@ -322,7 +285,7 @@ class Replanner:
                                        peak_bytes=peaks, memory_bytes=profile.memory_bytes if profile else 0,
                                        cores=profile.cores if profile else 1, call_ms=call,
                                        last_call_ms=last_call, **parallel_fractions(profile),
-                                       weight_ms=self._weights(worker, backward)))
+                                       weight_ms=self._weights(profile, worker, backward)))
         bandwidth, rtt = self._links(workers)
         slots = 2 if self.training.optimizer == "adamw" else int(bool(self.training.momentum))
         return PlanProblem(units=units, devices=tuple(devices), bandwidth=bandwidth, rtt_ms=rtt,
@@ -330,15 +293,13 @@ class Replanner:
                            optimizer_slots=slots, stash=self.stashing, allow_groups=allow_groups,
                            side_by_side=self.side_by_side, split_backward=self.split_backward)
 
-    def _weights(self, worker: str, backward: list[float]) -> tuple[float, ...]:
+    def _weights(self, profile: DeviceProfile | None, worker: str, backward: list[float]) -> tuple[float, ...]:
         """Of each unit's ``backward`` (as :meth:`_costs` gives it), the weight gradients a split backward computes
-        once a step, as the worker's profile measured them (``edgert profile --split-backward``); none measured:
-        empty, and the planner costs the backward whole."""
-        profile = self._profile(worker)
-        if profile is None or not any(t.weight_ms for t in profile.blocks):
+        once a step, as ``worker``'s profile measured them (profile_costs.profiled_weights)."""
+        if profile is None:
             return ()
-        scale = self.micro_batch / self.devices.micro_batch * self._factor.get(worker, 1.0)
-        return tuple(min(t.weight_ms * scale, b) for t, b in zip(profile.blocks, backward))
+        return profiled_weights(profile, self.micro_batch / self.devices.micro_batch * self._factor.get(worker, 1.0),
+                                backward)
 
     def _unit(self, index: int, first: int, end: int):
         from edgert.exporter.planner.solver import Unit
@@ -500,13 +461,3 @@ class Replanner:
         bounds = [0, *self.block_cuts(manifest), len(self.analysis.blocks)]
         units = [starts.get(b, len(self._units)) for b in bounds]
         return [(units[k], units[k + 1], tuple(group)) for k, group in enumerate(members)]
-
-
-def parallel_fractions(profile: DeviceProfile | None) -> dict[str, float]:
-    """Each direction's Amdahl fraction from the whole model timed at 1 thread and at more (none: 0, no gain)."""
-    if profile is None or profile.whole is None or not profile.scaling:
-        return {}
-    return {"forward_parallel": parallel_fraction(profile.whole.forward_ms,
-                                                  [(s.threads, s.forward_ms) for s in profile.scaling]),
-            "backward_parallel": parallel_fraction(profile.whole.backward_ms,
-                                                   [(s.threads, s.backward_ms) for s in profile.scaling])}

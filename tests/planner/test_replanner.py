@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from edgert.devices import BlockTiming, DeviceProfile, DevicesFile, save_devices
-from edgert.exporter.planner.replanner import MemberTimes, Replanner, split_stage_cost
+from edgert.exporter.planner.profile_costs import split_stage_cost
+from edgert.exporter.planner.replanner import MemberTimes, Replanner
 from edgert.manifest import load_manifest
 from tests.zoo_plans import zoo_plan
 

@@ -116,7 +116,8 @@ def test_a_plan_made_side_by_side_moves_the_cut_and_splits_the_cores_and_train_r
 def test_profile_times_the_whole_model_at_more_threads_and_the_planner_fits_them(tmp_path):
     from edgert.coordinator.profiling import profile_devices, thread_counts
     from edgert.devices import load_devices, save_devices
-    from edgert.exporter.planner.replanner import Replanner, parallel_fractions
+    from edgert.exporter.planner.profile_costs import parallel_fractions
+    from edgert.exporter.planner.replanner import Replanner
     from edgert.manifest import load_manifest
 
     assert thread_counts(1) == [] and thread_counts(2) == [2] and thread_counts(6) == [2, 4, 6]
