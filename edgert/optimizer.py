@@ -25,13 +25,13 @@ StateDict = dict[str, dict[str, np.ndarray]]
 
 
 class FlatParameters:
-    """Named parameters stored as slices of one flat float32 vector.
+    """Named parameters stored as slices of one flat float32 vector (float64 for ``edgert check``'s reference).
 
     The optimizer then steps every parameter with a handful of whole-vector operations, and
     ORT reads each parameter through a contiguous view, without copies.
     """
 
-    def __init__(self, values: Mapping[str, np.ndarray]):
+    def __init__(self, values: Mapping[str, np.ndarray], dtype: type = np.float32):
         self.names = list(values)
         self.shapes = {name: tuple(np.shape(value)) for name, value in values.items()}
         self.slices: dict[str, slice] = {}
@@ -40,7 +40,7 @@ class FlatParameters:
             size = int(np.prod(self.shapes[name], dtype=np.int64))
             self.slices[name] = slice(offset, offset + size)
             offset += size
-        self.flat = np.zeros(offset, np.float32)
+        self.flat = np.zeros(offset, dtype)
         self.views = {name: self.flat[self.slices[name]].reshape(self.shapes[name]) for name in self.names}
         for name, value in values.items():
             self.views[name][...] = value

@@ -1,7 +1,7 @@
 """The one way edgert imports onnxruntime: stock or training build, never torch, never both at once.
 
-A board runs stock ``onnxruntime``; the host has the training build
-(``onnxruntime-training-cpu``), which installs the same ``onnxruntime`` module and, when
+Boards and hosts run stock ``onnxruntime``. The training build (``onnxruntime-training-cpu``,
+the ``reference`` extra: a test oracle) installs the same ``onnxruntime`` module and, when
 imported, validates itself by importing ``onnxruntime.training.ortmodule`` and with it
 torch. So for a training build ``onnxruntime.training`` is first registered as a bare
 package (keeping its ``__path__``) with ``ortmodule`` marked absent; a stock build is
@@ -23,6 +23,7 @@ from edgert.errors import MissingDependencyError
 TRAINING_PACKAGE = "onnxruntime.training"
 BOARD_INSTALL = "pip install 'edgert[board]'"
 HOST_INSTALL = "pip install 'edgert[host]'"
+REFERENCE_INSTALL = "pip install 'edgert[reference]'"
 
 
 def onnxruntime() -> Any:

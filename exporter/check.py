@@ -1,16 +1,29 @@
-"""``edgert check``: a plan's stages, chained, must train exactly like the unsplit model.
+"""``edgert check``: are a plan's gradients right, and do its stages, chained, train like the unsplit model?
 
-The reference is built independently of the stage builder, with ORT's own
-``generate_artifacts`` on the normalised whole model, and stepped with ORT's own optimizer
-model (or the runtime optimizer where ORT's SGD cannot express the config). On one seeded
-batch the check compares the loss, every parameter gradient, and every parameter after a
-few optimizer steps, per stage. Then, stage by stage and in both memory modes, the portable
-graphs a board runs are compared with the training build's own (``check_portable``).
+Two references, neither of them the code under test:
+
+1. **The formulas.** The unsplit model's gradient in float64 (edgert's own gradient graph, run in
+   float64 by onnx's reference evaluator: exporter/float64_model.py) must equal central
+   differences of its float64 loss along random directions (each parameter moved in proportion to
+   its size). A wrong rule shows as a difference far above float64's rounding.
+2. **float32 against float64.** On one seeded batch, the plan's stages chained in float32 as workers
+   run them give the loss, every parameter's gradient and every parameter after ``steps``
+   optimizer steps; the unsplit model in float64 gives the same. float32 is never exact, and on
+   ill-conditioned models (BatchNorm over 1x1 maps of a few values) far from it, so the check
+   measures the *noise floor*: how far the unsplit model run in float32 lies from its float64 self.
+   A difference within :data:`FLOOR_FACTOR` times the floor (and at least ``tolerance``) is float32's
+   own; beyond it, the split changed the arithmetic.
+
+Differences are relative to the largest value of their group (a stage's gradients, a stage's
+parameters): a tensor whose exact gradient is zero (a bias before BatchNorm) holds rounding noise
+that Adam amplifies, and is meaningless relative to itself. With ``reference="training-build"``
+each stage's graphs are also compared with the training build's (exporter/check_training_build.py).
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,106 +31,173 @@ import numpy as np
 import onnx
 
 from edgert.chain import StageChain
-from edgert.exporter.check_portable import (
-    PORTABLE_TOLERANCE,
-    PortableDiff,
-    compare_portable,
-    relative_difference,
-    training_build_gaps,
-)
-from edgert.exporter.normalise import TrainableGraph, frozen_in, normalise
-from edgert.exporter.ort_training import artifacts as ort_artifacts
-from edgert.exporter.ort_training import native_stderr_silenced, onnxblock, training_api
-from edgert.exporter.source import from_model_proto
+from edgert.exporter.float64_model import Float64Model
 from edgert.manifest import Manifest, load_manifest
-from edgert.optimizer import FlatParameters, make_optimizer
 
-DEFAULT_TOLERANCE = 1e-4
+DEFAULT_TOLERANCE = 1e-5  # the least relative difference allowed, whatever the floor
+FLOOR_FACTOR = 4.0  # allowed: this many times float32's own error (the unsplit model's) against float64
+FORMULA_TOLERANCE = 1e-6  # float64 gradients against central differences, relative to the probe's size
+PROBES = 3  # random directions of the central differences
+# each parameter moved by these fractions of its root-mean-square value; the closer estimate counts (a step can cross
+# a kink of Relu, Clip or MaxPool, whose error shrinks with the step; a wrong formula's does not)
+PROBE_STEPS = (1e-6, 1e-7)
+REFERENCES = ("float64", "training-build")
+Progress = Callable[[str], None]
 
 
 @dataclass
 class StageDiff:
-    """Largest differences of one stage's gradients and parameters from the reference."""
+    """One stage: its chained float32 results against float64, and float32's own error on them (the floor)."""
 
     stage: int
-    max_grad_abs_diff: float
     max_grad_rel_diff: float
-    max_param_abs_diff: float
+    grad_floor: float
     max_param_rel_diff: float
+    param_floor: float
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def grad_allowed(self) -> float:
+        return max(FLOOR_FACTOR * self.grad_floor, self.tolerance)
+
+    @property
+    def param_allowed(self) -> float:
+        return max(FLOOR_FACTOR * self.param_floor, self.tolerance)
+
+    @property
+    def ok(self) -> bool:
+        return self.max_grad_rel_diff <= self.grad_allowed and self.max_param_rel_diff <= self.param_allowed
 
 
 @dataclass
 class CheckReport:
-    """The result of ``edgert check``; ``ok`` when every relative difference is within tolerance."""
+    """The result of ``edgert check``; ``ok`` when every difference is within what it is allowed."""
 
     stages: list[StageDiff]
     loss: float
     reference_loss: float
     loss_diff: float
-    max_grad_rel_diff: float
-    max_param_rel_diff: float
+    loss_floor: float
+    formula_error: float
     tolerance: float
     steps: int
     batch_size: int
+    reference: str = "float64"
     notes: list[str] = field(default_factory=list)
-    portable: list[PortableDiff] = field(default_factory=list)
-    portable_tolerance: float = PORTABLE_TOLERANCE
+    training_build: list = field(default_factory=list)  # check_training_build.StageComparison, per stage and mode
+    formula_tolerance: float = FORMULA_TOLERANCE
 
     @property
-    def max_portable_rel_diff(self) -> float:
-        return max((d.largest for d in self.portable), default=0.0)
+    def loss_allowed(self) -> float:
+        return max(FLOOR_FACTOR * self.loss_floor, self.tolerance) * max(abs(self.reference_loss), 1e-12)
+
+    @property
+    def max_grad_rel_diff(self) -> float:
+        return max(d.max_grad_rel_diff for d in self.stages)
+
+    @property
+    def max_param_rel_diff(self) -> float:
+        return max(d.max_param_rel_diff for d in self.stages)
 
     @property
     def ok(self) -> bool:
-        return max(self.max_grad_rel_diff, self.max_param_rel_diff,
-                   self.loss_diff / max(abs(self.reference_loss), 1e-12)) <= self.tolerance and \
-            self.max_portable_rel_diff <= self.portable_tolerance
+        return (all(d.ok for d in self.stages) and self.loss_diff <= self.loss_allowed
+                and self.formula_error <= self.formula_tolerance and all(c.ok for c in self.training_build))
 
     def to_json(self) -> dict:
-        return {**asdict(self), "max_portable_rel_diff": self.max_portable_rel_diff, "ok": self.ok}
+        data = asdict(self)
+        data["stages"] = [{**asdict(d), "grad_allowed": d.grad_allowed, "param_allowed": d.param_allowed, "ok": d.ok}
+                          for d in self.stages]
+        data["training_build"] = [{**asdict(c), "largest": c.largest, "ok": c.ok} for c in self.training_build]
+        return {**data, "loss_allowed": self.loss_allowed, "ok": self.ok}
 
 
 def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps: int = 3,
-               batch_size: int = 8, seed: int = 0, tolerance: float = DEFAULT_TOLERANCE) -> CheckReport:
-    """Compare the chained stages of ``plan_dir`` with the unsplit model it was cut from."""
+               batch_size: int = 8, seed: int = 0, tolerance: float = DEFAULT_TOLERANCE,
+               reference: str = "float64", progress: Progress = lambda _: None) -> CheckReport:
+    """Check ``plan_dir`` against the unsplit model it was cut from (module docstring)."""
+    from edgert.exporter.errors import ExportError
+
+    if reference not in REFERENCES:
+        raise ExportError(f"unknown reference {reference!r}; choose {' or '.join(REFERENCES)}")
     plan_dir = Path(plan_dir)
     manifest = load_manifest(plan_dir)
     source = _source_model(plan_dir, manifest, model_path)
     inputs, labels = _seeded_batch(manifest, source, batch_size, seed)
     with tempfile.TemporaryDirectory(prefix="edgert-check-") as scratch:
-        trainable = normalise(from_model_proto(source, "reference"), frozen_in(manifest.metadata))
-        gaps = training_build_gaps(trainable.graph.node)
-        if gaps:
-            reference = _PortableReference(source, manifest, Path(scratch), gaps)
-        else:
-            reference = _Reference(trainable, manifest, Path(scratch))
-        chain = StageChain(plan_dir, manifest)
-        portable, portable_notes = compare_portable(plan_dir, manifest, _stage_inputs(chain, inputs), labels, seed)
-        losses, ref_losses = [], []
-        grads = ref_grads = None
+        progress("exporting the unsplit model as one stage (the reference)")
+        whole = _unsplit_plan(source, manifest, Path(scratch) / "whole")
+        runs = {"chain": StageChain(plan_dir, manifest), "float32": StageChain(whole),
+                "float64": Float64Model(whole, load_manifest(whole))}
+        losses: dict[str, float] = {}
+        gradients: dict[str, dict[str, np.ndarray]] = {}
+        formula = 0.0
         for step in range(steps):
-            losses.append(chain.train_batch(inputs, labels).loss)
-            ref_losses.append(reference.train_batch(inputs, labels))
+            progress(f"step {step + 1} of {steps}: the plan in float32, the unsplit model in float32 and float64")
+            for name, run in runs.items():
+                loss = run.train_batch(inputs, labels)
+                if step == 0:
+                    losses[name] = loss.loss if hasattr(loss, "loss") else loss
+                    gradients[name] = run.gradients()
             if step == 0:
-                grads, ref_grads = chain.gradients(), reference.gradients()
-            chain.step()
-            reference.step()
-        params, ref_params = chain.parameters(include_buffers=False), reference.parameters()
-    stage_diffs = [_stage_diff(entry.index, [p.name for p in entry.parameters if p.trainable],
-                               grads, ref_grads, params, ref_params) for entry in manifest.stages]
+                progress(f"central differences of the float64 loss along {PROBES} random directions")
+                formula = _formula_error(runs["float64"], inputs, labels, gradients["float64"], seed)
+            for run in runs.values():
+                run.step()
+        parameters = {"chain": runs["chain"].parameters(include_buffers=False),
+                      "float32": runs["float32"].parameters(include_buffers=False),
+                      "float64": runs["float64"].parameters()}
+        comparisons, notes = [], []
+        if reference == "training-build":
+            from edgert.exporter.check_training_build import compare_with_training_build
+
+            progress("building the plan's stages with the training build")
+            comparisons, notes = compare_with_training_build(plan_dir, manifest, _stage_inputs(runs["chain"], inputs),
+                                                             labels, seed, Path(scratch) / "training-build")
+    stage_diffs = [_stage_diff(entry.index, [p.name for p in entry.parameters if p.trainable], gradients, parameters,
+                               tolerance) for entry in manifest.stages]
     return CheckReport(
-        stages=stage_diffs,
-        loss=losses[0],
-        reference_loss=ref_losses[0],
-        loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        max_grad_rel_diff=max(d.max_grad_rel_diff for d in stage_diffs),
-        max_param_rel_diff=max(d.max_param_rel_diff for d in stage_diffs),
-        tolerance=tolerance,
-        steps=steps,
-        batch_size=batch_size,
-        notes=reference.notes + portable_notes,
-        portable=portable,
+        stages=stage_diffs, loss=losses["chain"], reference_loss=losses["float64"],
+        loss_diff=abs(losses["chain"] - losses["float64"]),
+        loss_floor=abs(losses["float32"] - losses["float64"]) / max(abs(losses["float64"]), 1e-12),
+        formula_error=formula, tolerance=tolerance, steps=steps, batch_size=batch_size, reference=reference,
+        notes=notes, training_build=comparisons,
     )
+
+
+def _unsplit_plan(source: onnx.ModelProto, manifest: Manifest, folder: Path) -> Path:
+    from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
+    from edgert.exporter.normalise import frozen_in
+    from edgert.exporter.source import from_model_proto
+
+    whole = from_model_proto(source, "reference")
+    options = ExportOptions(stages=1, training=manifest.training, frozen=frozen_in(manifest.metadata))
+    write_plan(whole, prepare_analysis(whole, options), [], folder, manifest.training)
+    return folder
+
+
+def _formula_error(model: Float64Model, inputs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray],
+                   gradient: Mapping[str, np.ndarray], seed: int) -> float:
+    """The largest difference, over :data:`PROBES` random directions v, between the float64 gradient's g.v and the
+    central differences of the float64 loss along v (the closer of :data:`PROBE_STEPS`); relative to the sum of the
+    parameters' shares |g_t.v_t|."""
+    rng = np.random.default_rng(seed + 2)
+    here = model.parameters()
+    worst = 0.0
+    for _ in range(PROBES):
+        direction = {}
+        for name, value in here.items():
+            size = float(np.sqrt(np.mean(value ** 2))) or 1.0
+            direction[name] = rng.standard_normal(value.shape) * size
+        shares = [float(np.sum(gradient[name] * direction[name])) for name in here]
+        exact = sum(shares)
+        errors = []
+        for step in PROBE_STEPS:
+            moved = [model.loss_at(inputs, labels, {name: here[name] + sign * step * direction[name] for name in here})
+                     for sign in (1.0, -1.0)]
+            errors.append(abs(exact - (moved[0] - moved[1]) / (2 * step)))
+        worst = max(worst, min(errors) / max(sum(abs(s) for s in shares), 1e-300))
+    return worst
 
 
 def _stage_inputs(chain: StageChain, inputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -158,124 +238,23 @@ def _index_bound(model: onnx.ModelProto, name: str) -> int:
     return 2
 
 
-def _stage_diff(stage: int, names: list[str], grads, ref_grads, params, ref_params) -> StageDiff:
-    grad_abs, grad_rel = _relative(names, grads, ref_grads)
-    param_abs, param_rel = _relative(names, params, ref_params)
-    return StageDiff(stage=stage, max_grad_abs_diff=grad_abs, max_grad_rel_diff=grad_rel,
-                     max_param_abs_diff=param_abs, max_param_rel_diff=param_rel)
+def _stage_diff(stage: int, names: list[str], gradients: dict[str, dict], parameters: dict[str, dict],
+                tolerance: float) -> StageDiff:
+    def against_float64(values: dict[str, dict], run: str) -> float:
+        return relative_difference({n: values["float64"][n] for n in names}, values[run])[1]
+
+    return StageDiff(stage=stage, max_grad_rel_diff=against_float64(gradients, "chain"),
+                     grad_floor=against_float64(gradients, "float32"),
+                     max_param_rel_diff=against_float64(parameters, "chain"),
+                     param_floor=against_float64(parameters, "float32"), tolerance=tolerance)
 
 
-def _relative(names: list[str], values: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> tuple[float, float]:
-    """:func:`relative_difference` over a stage's tensors ``names``."""
-    return relative_difference({n: reference[n] for n in names}, values)
-
-
-class _Reference:
-    """The unsplit model, built and trained with ORT's own artifact generator and optimizer."""
-
-    def __init__(self, trainable: TrainableGraph, manifest: Manifest, scratch: Path):
-        artifacts = ort_artifacts()
-        self.notes: list[str] = []
-        whole = trainable.model
-        keep = manifest.model_output.name
-        outputs = [o for o in whole.graph.output if o.name == keep]
-        del whole.graph.output[:]
-        whole.graph.output.extend(outputs)
-        config = manifest.training
-        loss = {"cross_entropy": artifacts.LossType.CrossEntropyLoss, "mse": artifacts.LossType.MSELoss}[config.loss]
-        ort_optimizer = config.optimizer == "adamw" or not (config.weight_decay or config.momentum)
-        with native_stderr_silenced():
-            artifacts.generate_artifacts(
-                whole, requires_grad=trainable.parameters, frozen_params=trainable.buffers, loss=loss,
-                optimizer=None, artifact_directory=str(scratch),
-            )
-        api = training_api()
-        self._parameters = trainable.parameters
-        self._flat: FlatParameters | None = None
-        self._state = api.CheckpointState.load_checkpoint(str(scratch / "checkpoint"))
-        self._module = api.Module(str(scratch / "training_model.onnx"), self._state)
-        self._module.train()
-        self._inputs = self._module.input_names()
-        if ort_optimizer:
-            path = scratch / "optimizer_model.onnx"
-            self._write_ort_optimizer(config, trainable, path, whole)
-            self._optimizer = api.Optimizer(str(path), self._module)
-            self._optimizer.set_learning_rate(config.learning_rate)
-            self._runtime_optimizer = None
-        else:
-            self.notes.append("reference stepped with the runtime SGD (ORT's SGD has no momentum/weight decay)")
-            self._optimizer = None
-            self._runtime_optimizer = make_optimizer(config)
-
-    @staticmethod
-    def _write_ort_optimizer(config, trainable, path: Path, whole: onnx.ModelProto) -> None:
-        blocks = onnxblock()
-        initializers = {i.name: i for i in trainable.model.graph.initializer}
-        params = [initializers[p] for p in trainable.parameters]
-        if config.optimizer == "adamw":
-            optimizer = blocks.optim.AdamW(betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
-        else:
-            optimizer = blocks.optim.SGD()
-        opset = next(o.version for o in whole.opset_import if o.domain in ("", "ai.onnx"))
-        with blocks.empty_base(opset_version=opset) as accessor:
-            optimizer((params, []))
-            model = accessor.model
-        model.ir_version = whole.ir_version
-        onnx.save(model, str(path))
-
-    def train_batch(self, inputs: dict[str, np.ndarray], labels: dict[str, np.ndarray]) -> float:
-        values = {**inputs, **labels}
-        # generate_artifacts names the label input "labels" (cross entropy) or "target" (MSE)
-        if "target" in self._inputs and "labels" in values:
-            values["target"] = values["labels"]
-        outputs = self._module(*[values[name] for name in self._inputs])
-        loss = outputs[0] if isinstance(outputs, tuple) else outputs
-        return float(loss)
-
-    def gradients(self) -> dict[str, np.ndarray]:
-        return {p: self._state.parameters[p].grad.copy() for p in self._parameters}
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {p: self._state.parameters[p].data.copy() for p in self._parameters}
-
-    def step(self) -> None:
-        if self._optimizer is not None:
-            self._optimizer.step()
-        else:
-            views = {p: self._state.parameters[p].data for p in self._parameters}
-            if self._flat is None:
-                self._flat = FlatParameters(views)
-            for name, view in views.items():
-                self._flat.views[name][...] = view
-            gradient = np.concatenate([self._state.parameters[p].grad.reshape(-1) for p in self._flat.names])
-            self._runtime_optimizer.step(self._flat, gradient)
-            for name, view in views.items():
-                view[...] = self._flat.views[name]
-        self._module.lazy_reset_grad()
-
-
-class _PortableReference:
-    """The unsplit model as one portable stage, trained by the runtime: the reference where the training
-    build cannot differentiate the model (``training_build_gaps``)."""
-
-    def __init__(self, model: onnx.ModelProto, manifest: Manifest, scratch: Path, gaps: list[str]):
-        from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
-
-        self.notes = [f"reference: the unsplit model as one portable stage, since the training build's "
-                      f"{', '.join(gaps)} cannot serve"]
-        source = from_model_proto(model, "reference")
-        options = ExportOptions(stages=1, training=manifest.training)
-        write_plan(source, prepare_analysis(source, options), [], scratch / "whole", manifest.training)
-        self._chain = StageChain(scratch / "whole")
-
-    def train_batch(self, inputs: dict[str, np.ndarray], labels: dict[str, np.ndarray]) -> float:
-        return self._chain.train_batch(inputs, labels).loss
-
-    def gradients(self) -> dict[str, np.ndarray]:
-        return self._chain.gradients()
-
-    def parameters(self) -> dict[str, np.ndarray]:
-        return self._chain.parameters(include_buffers=False)
-
-    def step(self) -> None:
-        self._chain.step()
+def relative_difference(reference: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]
+                        ) -> tuple[float, float]:
+    """Largest absolute difference over a group of tensors, and that relative to the group's largest reference value."""
+    if not reference:
+        return 0.0, 0.0
+    difference = max(float(np.max(np.abs(np.asarray(values[k], np.float64) - reference[k]), initial=0.0))
+                     for k in reference)
+    scale = max(float(np.max(np.abs(reference[k]), initial=0.0)) for k in reference)
+    return difference, (difference / scale if scale > 0 else difference)

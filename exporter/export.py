@@ -35,6 +35,7 @@ from edgert.manifest import (
 )
 
 Progress = Callable[[str], None]
+StageBuilder = Callable[[StageGraph, TrainingConfig, Path, list, set], StageArtifacts]
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,13 @@ def write_plan(
     training: TrainingConfig,
     progress: Progress = lambda _: None,
     cache: Path | None = None,
-    portable: bool = True,
+    stage_builder: StageBuilder = build_stage_artifacts,
 ) -> Manifest:
     """Slice at ``cuts``, build every stage's artifacts into ``out_dir``, write the manifest.
 
     With ``cache``, a stage already built there (same sub-graph, training config and
     gradient wiring) is copied instead of rebuilt: re-partitioning re-uses block ranges.
-    ``portable=False``: see :func:`build_stage_artifacts` (benchmarks only).
+    ``stage_builder`` writes one stage's files (another builds a reference: exporter/training_build.py).
     """
     _check_training_config(training)
     _check_folder(out_dir)
@@ -105,8 +106,9 @@ def write_plan(
             downstream = built[stage.index + 1] if not stage.is_last else None
             gradient_outputs = [t for t in stage.outputs if downstream and t.name in downstream.input_gradients]
             wants = {t.name for t in stage.inputs if t.differentiable and t.name not in _model_inputs(analysis)}
-            built[stage.index] = _build_or_reuse(stage, training, staging / f"stage{stage.index}", gradient_outputs,
-                                                 wants, cache, portable)
+            folder = staging / f"stage{stage.index}"
+            built[stage.index] = stage_builder(stage, training, folder, gradient_outputs, wants) if cache is None \
+                else _build_or_reuse(stage, training, folder, gradient_outputs, wants, cache)
             for note in built[stage.index].notes:
                 progress(f"stage {stage.index}: {note}")
         _replace_stages(staging, out_dir)
@@ -122,9 +124,7 @@ def write_plan(
 
 
 def _build_or_reuse(stage: StageGraph, training: TrainingConfig, out_dir: Path, gradient_outputs: list,
-                    wants: set[str], cache: Path | None, portable: bool = True) -> StageArtifacts:
-    if cache is None or not portable:
-        return build_stage_artifacts(stage, training, out_dir, gradient_outputs, wants, portable)
+                    wants: set[str], cache: Path) -> StageArtifacts:
     key = hashlib.sha256()
     key.update(stage.model.SerializeToString())
     key.update(json.dumps([dataclasses.asdict(training), sorted(t.name for t in gradient_outputs), sorted(wants),

@@ -1,4 +1,5 @@
-"""Walking a graph back from the tensors wanted: what a node reads, and which nodes some names need."""
+"""Walking a graph back from the tensors wanted: what a node reads, which nodes some names need, and the graph
+without the rest."""
 
 from __future__ import annotations
 
@@ -28,3 +29,20 @@ def needed_nodes(graph: onnx.GraphProto, names: Iterable[str]) -> set[int]:
         needed.add(index)
         pending.extend(name for name in reads(graph.node[index]) if name in producers)
     return needed
+
+
+def drop_unneeded(graph: onnx.GraphProto, keep: Iterable[str] = ()) -> None:
+    """Remove the nodes, initializers and value infos that neither a graph output nor a name in ``keep`` needs
+    (graph inputs stay: a runtime feeds them)."""
+    wanted = {o.name for o in graph.output} | set(keep)
+    positions = needed_nodes(graph, wanted)
+    kept = [node for index, node in enumerate(graph.node) if index in positions]
+    needed = wanted | {name for node in kept for name in reads(node)}
+    del graph.node[:]
+    graph.node.extend(kept)
+    initializers = [init for init in graph.initializer if init.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    infos = [info for info in graph.value_info if info.name in needed]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)

@@ -40,6 +40,8 @@ class TensorType:
         return tuple(self.shape[start:])  # type: ignore[arg-type]
 
 
+# Squeeze, Unsqueeze and Split take their axes (split sizes) as an input from opset 13.
+_AXES_INPUT = 13
 # Reductions whose axes became an input in opset 18 (ReduceSum: 13).
 _REDUCE_AXES_INPUT = {"ReduceSum": 13}
 _REDUCE_AXES_INPUT_DEFAULT = 18
@@ -97,9 +99,13 @@ class GraphWriter:
         return self.op(op_type, [x], outputs=outputs, axes=list(axes), keepdims=int(keepdims))
 
     def unsqueeze(self, x: str, axes: Sequence[int]) -> str:
+        if self.opset < _AXES_INPUT:
+            return self.op("Unsqueeze", [x], axes=list(axes))
         return self.op("Unsqueeze", [x, self.ints(axes)])
 
     def squeeze(self, x: str, axes: Sequence[int]) -> str:
+        if self.opset < _AXES_INPUT:
+            return self.op("Squeeze", [x], axes=list(axes))
         return self.op("Squeeze", [x, self.ints(axes)])
 
     def reshape(self, x: str, shape: Sequence[int] | str, output: str | None = None) -> str:

@@ -3,8 +3,10 @@
 Last stage: ``loss = L(prediction, labels)`` and ``scaled_loss = loss * loss_scale``, where
 the runtime feeds ``loss_scale = micro-batch size / batch size`` so that gradients summed
 over micro-batches equal the gradient of the whole batch's mean loss.
-Other stages: ``loss = sum_k ReduceSum(out_k * grad_out_k)``; its parameter gradients are
-exactly the vector-Jacobian product with the gradients sent back by the next stage.
+Other stages take the next stage's gradients as inputs ``grad_<out>``, where their backward starts;
+a gradient builder that needs a scalar loss (the training build's, a reference) gets
+``loss = sum_k ReduceSum(out_k * grad_out_k)``, whose parameter gradients are exactly the
+vector-Jacobian product with those gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ LOSS_OUTPUT = "loss"
 SCALED_LOSS_OUTPUT = "scaled_loss"
 LOSS_SCALE_INPUT = "loss_scale"
 LABELS_INPUT = "labels"
+LOSS_SEED = "scaled_loss_grad"  # the last stage's backward starts from this 1 (d scaled_loss / d scaled_loss)
 
 
 def gradient_input_name(output: str) -> str:
@@ -67,18 +70,27 @@ def add_real_loss(model: onnx.ModelProto, loss: str, prediction: BoundaryTensor)
     return labels
 
 
-def add_vjp_loss(model: onnx.ModelProto, outputs: list[BoundaryTensor]) -> dict[str, str]:
-    """Append the VJP loss over ``outputs``; return output name -> gradient input name."""
+def add_gradient_inputs(model: onnx.ModelProto, outputs: list[BoundaryTensor], with_loss: bool = False
+                        ) -> dict[str, str]:
+    """Add an input ``grad_<out>`` per output in ``outputs`` (and with ``with_loss`` the VJP loss over them);
+    return output name -> gradient input name."""
     if not outputs:
         raise ExportError(f"{model.graph.name}: no output of this stage receives a gradient from the next stage")
     graph = model.graph
-    terms = []
     gradients = {}
-    for k, output in enumerate(outputs):
+    for output in outputs:
         grad = gradient_input_name(output.name)
         gradients[output.name] = grad
         graph.input.append(_value_info(BoundaryTensor(grad, output.dtype, output.shape)))
-        graph.node.append(helper.make_node("Mul", [output.name, grad], [f"vjp/product_{k}"], name=f"/vjp/Mul_{k}"))
+    if with_loss:
+        _add_vjp_loss(graph, gradients)
+    return gradients
+
+
+def _add_vjp_loss(graph: onnx.GraphProto, gradients: dict[str, str]) -> None:
+    terms = []
+    for k, (output, grad) in enumerate(gradients.items()):
+        graph.node.append(helper.make_node("Mul", [output, grad], [f"vjp/product_{k}"], name=f"/vjp/Mul_{k}"))
         graph.node.append(helper.make_node("ReduceSum", [f"vjp/product_{k}"], [f"vjp/term_{k}"],
                                            name=f"/vjp/ReduceSum_{k}", keepdims=0))
         terms.append(f"vjp/term_{k}")
@@ -90,5 +102,3 @@ def add_vjp_loss(model: onnx.ModelProto, outputs: list[BoundaryTensor]) -> dict[
         total = name
     if len(terms) == 1:
         graph.node.append(helper.make_node("Identity", [total], [SCALED_LOSS_OUTPUT], name="/vjp/Identity"))
-    return gradients
-

@@ -1,8 +1,9 @@
-"""The one place that imports ONNX Runtime's training API (host only), without importing torch.
+"""The one place that imports ONNX Runtime's training API (the gradient oracle only), without importing torch.
 
-``import onnxruntime.training`` pulls in torch through its ``optim`` package, so the package
-is registered bare (edgert.ort_import) before its ``api`` and ``onnxblock`` submodules are
-imported. Boards never come here: they run portable graphs on stock onnxruntime.
+edgert builds its own gradients; the training build (the ``reference`` extra: x86-64, CPython
+3.11/3.12, its last release) serves only as a second opinion (exporter/training_build.py).
+``import onnxruntime.training`` pulls in torch through its ``optim`` package, so the package is
+registered bare (edgert.ort_import) before its ``api`` and ``onnxblock`` submodules are imported.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from edgert.errors import MissingDependencyError
-from edgert.ort_import import HOST_INSTALL, TRAINING_PACKAGE, onnxruntime, register_training_package, training_folder
+from edgert.ort_import import (
+    REFERENCE_INSTALL,
+    TRAINING_PACKAGE,
+    onnxruntime,
+    register_training_package,
+    training_folder,
+)
 
 if TYPE_CHECKING:
     import onnx
@@ -27,8 +34,8 @@ def _register_bare_package() -> None:
     training = training_folder()
     if training is None:
         raise MissingDependencyError(
-            "this needs the onnxruntime training build, which only the host has (x86-64, Python 3.11/3.12): "
-            f"{HOST_INSTALL}; a board runs stock onnxruntime and needs no training build"
+            "this compares with the ONNX Runtime training build, which training does not need: install it in an "
+            f"environment of its own without stock onnxruntime (x86-64, Python 3.11/3.12): {REFERENCE_INSTALL}"
         )
     onnxruntime()  # also keeps ORT's informational logs off the console
     register_training_package(training)  # onnxruntime may have been imported directly, unregistered
@@ -59,12 +66,6 @@ def onnxblock() -> Any:
     """``onnxruntime.training.onnxblock`` (host only: it imports onnx)."""
     _register_bare_package()
     return importlib.import_module(f"{TRAINING_PACKAGE}.onnxblock")
-
-
-def artifacts() -> Any:
-    """``onnxruntime.training.artifacts`` (ORT's own artifact generator, host only)."""
-    _register_bare_package()
-    return importlib.import_module(f"{TRAINING_PACKAGE}.artifacts")
 
 
 def training_graph_utils() -> Any:

@@ -23,8 +23,7 @@ import onnx
 from onnx import helper
 
 from edgert.exporter.errors import ExportError
-
-SEED = "scaled_loss_grad"
+from edgert.exporter.loss import LOSS_SEED
 
 
 @dataclass
@@ -44,7 +43,7 @@ def split_for_stashing(training: onnx.ModelProto, gradient_inputs: set[str], for
     statistics). The backward keeps the training graph's other outputs.
     """
     graph = training.graph
-    needed = _needed_for(graph, forward_outputs, {SEED} | set(gradient_inputs))
+    needed = _needed_for(graph, forward_outputs, {LOSS_SEED} | set(gradient_inputs))
     forward_nodes = [node for index, node in enumerate(graph.node) if index in needed]
     backward_nodes = [node for index, node in enumerate(graph.node) if index not in needed]
     tainted = {name for node in backward_nodes for name in node.output if name}

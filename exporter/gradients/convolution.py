@@ -1,12 +1,13 @@
-"""Standard-operator forms of the training build's convolution and pooling gradients (docs/EXPORTER.md).
+"""Gradient rules of Conv and ConvTranspose, and AveragePool's (docs/EXPORTER.md).
 
-``ConvGrad``, ``ConvTransposeGrad`` and ``AveragePoolGrad``, registered in
-``gradient_rules.RULES`` like every other rule. Where speed is won or lost: a
+Where speed is won or lost: a
 convolution's dX is a Conv (stride 1, not widening) or a ConvTranspose; its dW one GEMM
 per kernel offset (wide layers), one product and sum per offset (depthwise), or one Conv
 with batch and channels swapped (narrow and grouped layers), each as :data:`FORMS` chooses,
 never a materialised im2col matrix; and each layout is chosen for what ORT copies fast
-(a transpose it can do as a matrix's, slices of long contiguous runs).
+(a transpose it can do as a matrix's, slices of long contiguous runs). Spatial sizes known only at
+run time take the forms that need none: dX a ConvTranspose fitted to the input's run-time shape, dW
+the swapped Conv.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgert.exporter.gradient_rules import RuleContext, channel_sum, rule
+from edgert.exporter.gradients.normalization import channel_sum
+from edgert.exporter.gradients.registry import GradientContext, NodeContext, gradient
 
 
 @dataclass(frozen=True)
-class _Window:
+class Window:
     """A sliding window's geometry along the spatial axes of one node."""
 
     kernel: tuple[int, ...]
@@ -48,13 +50,17 @@ class _Window:
                 "pads": [*self.begin, *pads_end], "output_padding": extra}
 
 
-def _window(c: RuleContext, spatial: tuple[int, ...], kernel: tuple[int, ...]) -> _Window:
+def window_of(c: NodeContext, spatial: tuple[int, ...] | None, kernel: tuple[int, ...]) -> Window:
+    """The window of a Conv, ConvTranspose or pool node over inputs of ``spatial`` sizes (None: known at run time,
+    which only ``auto_pad`` SAME needs)."""
     d = len(kernel)
     strides = tuple(c.attr("strides", [1] * d))
     dilations = tuple(c.attr("dilations", [1] * d))
     pads = list(c.attr("pads", [0] * 2 * d))
     auto_pad = c.attr("auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if spatial is None:
+            raise c.refuse(f"auto_pad {auto_pad} needs the spatial sizes, which are known only at run time")
         pads = [0] * 2 * d
         for axis in range(d):
             out = -(-spatial[axis] // strides[axis])
@@ -65,7 +71,7 @@ def _window(c: RuleContext, spatial: tuple[int, ...], kernel: tuple[int, ...]) -
         pads = [0] * 2 * d
     elif auto_pad != "NOTSET":
         raise c.refuse(f"auto_pad {auto_pad!r} is not supported")
-    return _Window(kernel, strides, dilations, tuple(pads[:d]), tuple(pads[d:]))
+    return Window(kernel, strides, dilations, tuple(pads[:d]), tuple(pads[d:]))
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,8 @@ class ConvForms:
 FORMS = ConvForms()
 
 
-def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
-                     out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
+def _weight_gradient(c: NodeContext, source: str, gradient: str, window: Window, groups: int,
+                     out_spatial: tuple[int, ...] | None, weight_shape: tuple[int, ...]) -> str:
     """dW[m, c, k] = sum over n, p of gradient[n, m, p] * source_padded[n, c, p * stride + k * dilation].
 
     A layer with ``FORMS.narrow_channels`` or more input channels takes one strided Slice of a
@@ -96,23 +102,23 @@ def _weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window
     offsets = list(itertools.product(*(range(k) for k in window.kernel)))
     source_spatial = c.type_of(source).static_dims(2)
     depthwise = weight_shape[0] == groups and weight_shape[1] == 1
-    if depthwise and FORMS.depthwise_products and len(offsets) > 1 and source_spatial is not None:
-        _depthwise_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial, weight_shape,
-                                   output)
-    elif groups > 1 or weight_shape[1] < FORMS.narrow_channels:
-        _swapped_weight_gradient(c, source, gradient, window, groups, weight_shape, output)
-    else:
-        _matrix_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial, weight_shape,
-                                output)
+    if out_spatial is None or source_spatial is None:  # sizes known at run time only: the form that needs none
+        return _swapped_weight_gradient(c, source, gradient, window, groups, weight_shape)
+    if depthwise and FORMS.depthwise_products and len(offsets) > 1:
+        return _depthwise_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial,
+                                          weight_shape)
+    if groups > 1 or weight_shape[1] < FORMS.narrow_channels:
+        return _swapped_weight_gradient(c, source, gradient, window, groups, weight_shape)
+    return _matrix_weight_gradient(c, source, gradient, window, offsets, source_spatial, out_spatial, weight_shape)
 
 
-def _spatial_first(c: RuleContext, x: str) -> str:
+def _spatial_first(c: NodeContext, x: str) -> str:
     """(N, C, spatial...) as (P, N, C), P the spatial positions: transposed as (N, C, P), which ORT does as a
     matrix, where it moves (N, C, spatial...) element by element."""
     return c.writer.op("Transpose", [c.writer.reshape(x, [0, 0, -1])], perm=[2, 0, 1])
 
 
-def _windows(c: RuleContext, source: str, window: _Window, offsets: list[tuple[int, ...]], axes: list[int],
+def _windows(c: NodeContext, source: str, window: Window, offsets: list[tuple[int, ...]], axes: list[int],
              pads: list[int], out_spatial: tuple[int, ...]) -> list[str]:
     """The padded ``source``'s values under each kernel offset, one strided Slice along ``axes`` per offset."""
     w = c.writer
@@ -126,8 +132,8 @@ def _windows(c: RuleContext, source: str, window: _Window, offsets: list[tuple[i
     return taken
 
 
-def _spatial_first_windows(c: RuleContext, source: str, source_spatial: tuple[int, ...], channels: int,
-                           window: _Window, offsets: list[tuple[int, ...]], out_spatial: tuple[int, ...]) -> list[str]:
+def _spatial_first_windows(c: NodeContext, source: str, source_spatial: tuple[int, ...], channels: int,
+                           window: Window, offsets: list[tuple[int, ...]], out_spatial: tuple[int, ...]) -> list[str]:
     """The source's windows taken from a spatial-first (spatial..., N, C) copy, each as (P*N, C)."""
     w = c.writer
     source_t = w.reshape(_spatial_first(c, source), [*source_spatial, -1, channels])
@@ -136,9 +142,9 @@ def _spatial_first_windows(c: RuleContext, source: str, source_spatial: tuple[in
             for taken in _windows(c, source_t, window, offsets, list(range(len(window.kernel))), pads, out_spatial)]
 
 
-def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window,
+def _matrix_weight_gradient(c: NodeContext, source: str, gradient: str, window: Window,
                             offsets: list[tuple[int, ...]], source_spatial: tuple[int, ...] | None,
-                            out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
+                            out_spatial: tuple[int, ...] | None, weight_shape: tuple[int, ...]) -> str:
     """dW[:, :, k] = gradient (M, N*P) x window_k (N*P, C), one Gemm per kernel offset k.
 
     The source goes channels first, (C, N, spatial...), where a window's rows are long; where
@@ -148,7 +154,7 @@ def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: 
     w = c.writer
     in_channels, out_channels = weight_shape[1], weight_shape[0]
     spatial = list(range(2, 2 + len(window.kernel)))
-    if len(offsets) > 1 and out_spatial[-1] <= FORMS.short_rows and source_spatial is not None:
+    if len(offsets) > 1 and out_spatial[-1] <= FORMS.short_rows:
         windows = _spatial_first_windows(c, source, source_spatial, in_channels, window, offsets, out_spatial)
         rows = w.reshape(w.op("Transpose", [gradient], perm=[1, *spatial, 0]), [out_channels, -1])  # (M, P*N)
         transposed = 0
@@ -161,15 +167,14 @@ def _matrix_weight_gradient(c: RuleContext, source: str, gradient: str, window: 
         transposed = 1
     products = [w.op("Gemm", [rows, taken], transB=transposed) for taken in windows]  # (M, C) each
     if len(products) == 1:
-        w.reshape(products[0], list(weight_shape), output=output)
-        return
+        return w.reshape(products[0], list(weight_shape))
     stacked = w.reshape(w.op("Concat", products, axis=0), [len(offsets), out_channels, in_channels])  # (K, M, C)
-    w.reshape(w.op("Transpose", [stacked], perm=[1, 2, 0]), list(weight_shape), output=output)
+    return w.reshape(w.op("Transpose", [stacked], perm=[1, 2, 0]), list(weight_shape))
 
 
-def _depthwise_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window,
+def _depthwise_weight_gradient(c: NodeContext, source: str, gradient: str, window: Window,
                                offsets: list[tuple[int, ...]], source_spatial: tuple[int, ...],
-                               out_spatial: tuple[int, ...], weight_shape: tuple[int, ...], output: str) -> None:
+                               out_spatial: tuple[int, ...] | None, weight_shape: tuple[int, ...]) -> str:
     """dW[c, 0, k] = the sum over rows of gradient (P*N, C) * window_k (P*N, C), both spatial first.
 
     The swapped Conv's one group per channel, each with a kernel as large as an image, is
@@ -180,11 +185,11 @@ def _depthwise_weight_gradient(c: RuleContext, source: str, gradient: str, windo
     rows = w.reshape(_spatial_first(c, gradient), [-1, channels])  # (P*N, C)
     sums = [w.reduce("ReduceSum", w.op("Mul", [rows, taken]), [0])  # (1, C)
             for taken in _spatial_first_windows(c, source, source_spatial, channels, window, offsets, out_spatial)]
-    w.reshape(w.op("Transpose", [w.op("Concat", sums, axis=0)], perm=[1, 0]), list(weight_shape), output=output)
+    return w.reshape(w.op("Transpose", [w.op("Concat", sums, axis=0)], perm=[1, 0]), list(weight_shape))
 
 
-def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window: _Window, groups: int,
-                             weight_shape: tuple[int, ...], output: str) -> None:
+def _swapped_weight_gradient(c: NodeContext, source: str, gradient: str, window: Window, groups: int,
+                             weight_shape: tuple[int, ...]) -> str:
     """dW as one Conv: the source with its batch and channels-in-group axes swapped is the input, the gradient
     (batch and channels swapped) the kernels, one group per convolution group; stride and dilation trade places."""
     w = c.writer
@@ -198,12 +203,12 @@ def _swapped_weight_gradient(c: RuleContext, source: str, gradient: str, window:
     full = w.op("Conv", [swapped, kernels], group=groups, strides=list(window.dilations),
                 dilations=list(window.strides), pads=[*window.begin, *window.end])  # (C/G, M, >= kernel)
     cropped = w.op("Slice", [full, w.ints([0] * d), w.ints(list(window.kernel)), w.ints(list(range(2, 2 + d)))])
-    w.op("Transpose", [cropped], outputs=[output], perm=[1, 0, *range(2, 2 + d)])
+    return w.op("Transpose", [cropped], perm=[1, 0, *range(2, 2 + d)])
 
 
-def _input_gradient(c: RuleContext, dy: str, weight: str, window: _Window, groups: int,
-                    weight_shape: tuple[int, ...], x_spatial: tuple[int, ...], out_spatial: tuple[int, ...],
-                    output: str) -> None:
+def _input_gradient(c: NodeContext, dy: str, weight: str, window: Window, groups: int,
+                    weight_shape: tuple[int, ...], x: str, x_spatial: tuple[int, ...] | None,
+                    out_spatial: tuple[int, ...] | None) -> str:
     """A convolution's dX: ConvTranspose(dY, W); with stride 1, unless the layer widens its channels with a
     kernel larger than 1x1, the equal and faster "full" Conv of dY with W's kernels flipped and its input and
     output channels swapped within each group (a widening layer's dX is faster as ConvTranspose: the flipped
@@ -215,87 +220,69 @@ def _input_gradient(c: RuleContext, dy: str, weight: str, window: _Window, group
     widens = (FORMS.widening_transposed and weight_shape[0] // groups > weight_shape[1]
               and any(k > 1 for k in window.kernel))
     if any(s != 1 for s in window.strides) or min(pads) < 0 or widens:
-        w.op("ConvTranspose", [dy, weight], outputs=[output], group=groups,
-             **window.transposed(x_spatial, out_spatial))
-        return
+        if x_spatial is None or out_spatial is None:
+            return fitted_transposed(c, dy, weight, window, groups, x)
+        return w.op("ConvTranspose", [dy, weight], group=groups, **window.transposed(x_spatial, out_spatial))
     out_channels, in_per_group = weight_shape[0], weight_shape[1]
     per_group = w.reshape(weight, [groups, out_channels // groups, in_per_group, *weight_shape[2:]])
     swapped = w.op("Transpose", [per_group], perm=[0, 2, 1, *range(3, 3 + d)])
     swapped = w.reshape(swapped, [groups * in_per_group, out_channels // groups, *weight_shape[2:]])
     axes = list(range(2, 2 + d))
     flipped = w.op("Slice", [swapped, w.ints([-1] * d), w.ints([-(2 ** 62)] * d), w.ints(axes), w.ints([-1] * d)])
-    w.op("Conv", [dy, flipped], outputs=[output], group=groups, dilations=list(window.dilations), pads=pads)
+    return w.op("Conv", [dy, flipped], group=groups, dilations=list(window.dilations), pads=pads)
 
 
-@rule("ConvGrad")
-def conv_grad(c: RuleContext) -> None:
-    """dX by a (transposed) convolution of dY; dW by im2col and matrix products; dB = sum of dY."""
-    dy, x, weight = c.input(0), c.input(1), c.input(2)
+def fitted_transposed(c: NodeContext, dy: str, weight: str, window: Window, groups: int, x: str) -> str:
+    """ConvTranspose(dY, W) without the end padding, then cut or padded at the end to ``x``'s run-time size:
+    a strided layer's dX where the sizes are known only at run time."""
+    w = c.writer
+    d = len(window.kernel)
+    spread = w.op("ConvTranspose", [dy, weight], group=groups, strides=list(window.strides),
+                  dilations=list(window.dilations), pads=[*window.begin, *([0] * d)])
+    axes = w.ints(list(range(2, 2 + d)))
+    target = w.op("Slice", [w.op("Shape", [x]), w.ints([2]), w.ints([2 + d])])
+    cut = w.op("Slice", [spread, w.ints([0] * d), target, axes])
+    missing = w.op("Sub", [target, w.op("Slice", [w.op("Shape", [cut]), w.ints([2]), w.ints([2 + d])])])
+    return w.op("Pad", [cut, w.op("Concat", [w.ints([0] * (d + 4)), missing], axis=0)])
+
+
+@gradient("Conv", inputs=(0, 1, 2))
+def conv(c: GradientContext) -> dict[int, str]:
+    """dX by a (transposed) convolution of dY; dW by matrix products per kernel offset; dB = sum of dY."""
+    x, weight, y = c.input(0), c.input(1), c.output(0)
+    dy = c.dy()
     weight_shape = c.static(weight, what="the shape")
-    x_spatial = c.static(x, 2, what="the spatial dims")
-    window = _window(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
-    out_spatial = tuple(window.out_size(n, axis) for axis, n in enumerate(x_spatial))
+    x_spatial, out_spatial = c.type_of(x).static_dims(2), c.type_of(y).static_dims(2)
+    window = window_of(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
     groups = c.attr("group", 1)
-    if c.output(0):
-        _input_gradient(c, dy, weight, window, groups, weight_shape, x_spatial, out_spatial, c.output(0))
-    if c.output(1):
-        _weight_gradient(c, x, dy, window, groups, out_spatial, weight_shape, c.output(1))
-    if c.output(2):
-        channel_sum(c, dy, dy, c.output(2))
+    result = {}
+    if c.wants(0):
+        result[0] = _input_gradient(c, dy, weight, window, groups, weight_shape, x, x_spatial, out_spatial)
+    if c.wants(1):
+        result[1] = _weight_gradient(c, x, dy, window, groups, out_spatial, weight_shape)
+    if c.wants(2):
+        result[2] = channel_sum(c, dy, y)
+    return result
 
 
-@rule("ConvTransposeGrad")
-def conv_transpose_grad(c: RuleContext) -> None:
-    """ConvTranspose's gradients: dX = Conv(dY, W); dW as a convolution's with dY and X in swapped roles."""
-    dy, x, weight = c.input(0), c.input(1), c.input(2)
+@gradient("ConvTranspose", inputs=(0, 1, 2))
+def conv_transpose(c: GradientContext) -> dict[int, str]:
+    """dX = Conv(dY, W); dW as a convolution's with dY and X in swapped roles."""
+    x, weight, y = c.input(0), c.input(1), c.output(0)
+    dy = c.dy()
     if c.attr("output_shape") or c.attr("auto_pad", "NOTSET") != "NOTSET":
         raise c.refuse("only explicit pads are supported (no output_shape, no auto_pad)")
     weight_shape = c.static(weight, what="the shape")
-    x_spatial = c.static(x, 2, what="the spatial dims")
-    window = _window(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
+    x_spatial = c.type_of(x).static_dims(2)
+    window = window_of(c, x_spatial, tuple(c.attr("kernel_shape", weight_shape[2:])))
     groups = c.attr("group", 1)
-    if c.output(0):
-        c.writer.op("Conv", [dy, weight], outputs=[c.output(0)], group=groups, strides=list(window.strides),
-                    dilations=list(window.dilations), pads=[*window.begin, *window.end])
-    if c.output(1):
-        _weight_gradient(c, dy, x, window, groups, x_spatial, weight_shape, c.output(1))
-    if c.output(2):
-        channel_sum(c, dy, dy, c.output(2))
-
-
-def _average_counts(window: _Window, spatial: tuple[int, ...], out: tuple[int, ...], include_pad: bool) -> np.ndarray:
-    """How many elements each output of an AveragePool divides by (ORT's rule, per spatial axis)."""
-    per_axis = []
-    for axis, (size, count) in enumerate(zip(spatial, out)):
-        starts = np.arange(count) * window.strides[axis] - window.begin[axis]
-        ends = np.minimum(starts + window.kernel[axis], size + window.end[axis])
-        if not include_pad:
-            starts, ends = np.maximum(starts, 0), np.minimum(ends, size)
-        per_axis.append((ends - starts).astype(np.float64))
-    counts = per_axis[0]
-    for more in per_axis[1:]:
-        counts = np.multiply.outer(counts, more)
-    return counts
-
-
-@rule("AveragePoolGrad", domain="")
-def average_pool_grad(c: RuleContext) -> None:
-    """Spread each dY / window size back over its window: a depthwise ConvTranspose with a ones kernel."""
-    w, dy = c.writer, c.input(0)
-    forward = c.producers.get(dy[: -len("_grad")]) if dy.endswith("_grad") else None
-    if forward is None or forward.op_type != "AveragePool":
-        raise c.refuse(f"no AveragePool produces the tensor whose gradient is {dy!r}")
-    x = forward.input[0]
-    x_shape = c.static(x, 1, what="the channel and spatial dims")
-    channels, spatial = x_shape[0], x_shape[1:]
-    kernel = tuple(c.attr("kernel_shape"))
-    if any(d != 1 for d in c.attr("dilations", [1] * len(kernel))):
-        raise c.refuse("dilated AveragePool is not supported")
-    window = _window(c, spatial, kernel)
-    ceil = bool(c.attr("ceil_mode", 0))
-    out = tuple(window.out_size(n, axis, ceil) for axis, n in enumerate(spatial))
-    counts = _average_counts(window, spatial, out, bool(c.attr("count_include_pad", 0)))
-    dtype = c.type_of(dy).numpy_dtype
-    scaled = w.op("Div", [dy, w.const(counts, dtype, hint="window_sizes")])
-    ones = w.const(np.ones((channels, 1, *kernel)), dtype, hint="ones_kernel")
-    w.op("ConvTranspose", [scaled, ones], outputs=[c.output(0)], group=channels, **window.transposed(spatial, out))
+    result = {}
+    if c.wants(0):
+        result[0] = c.writer.op("Conv", [dy, weight], group=groups, strides=list(window.strides),
+                                dilations=list(window.dilations), pads=[*window.begin, *window.end])
+    if c.wants(1):
+        c.types.setdefault(dy, c.type_of(y))
+        result[1] = _weight_gradient(c, dy, x, window, groups, x_spatial, weight_shape)
+    if c.wants(2):
+        result[2] = channel_sum(c, dy, y)
+    return result
