@@ -40,7 +40,7 @@ FORMULA_TOLERANCE = 1e-6  # float64 gradients against central differences, relat
 PROBES = 3  # random directions of the central differences
 # each parameter moved by these fractions of its root-mean-square value; the closer estimate counts (a step can cross
 # a kink of Relu, Clip or MaxPool, whose error shrinks with the step; a wrong formula's does not)
-PROBE_STEPS = (1e-6, 1e-7)
+PROBE_STEPS = (1e-6, 1e-7, 1e-8)
 REFERENCES = ("float64", "training-build")
 Progress = Callable[[str], None]
 

@@ -8,7 +8,7 @@ Models exported by others rarely come in training form. This module:
 - unrolls ``RNN``/``GRU``/``LSTM`` into standard operators (exporter.recurrent), whose
   gradients every onnxruntime build runs;
 - removes ``Dropout`` (a stage's backward recomputes its forward, so the forward must be
-  deterministic);
+  deterministic), and refuses any other operator that draws random numbers;
 - sets ``BatchNormalization`` to ``training_mode=1`` with its running-stat outputs, which
   the runtime copies back into the running statistics after each micro-batch;
 - gives ``LayerNormalization`` its ``Mean`` and ``InvStdDev`` outputs;
@@ -77,6 +77,7 @@ def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGra
     notes += separate_deduplicated(model.graph, constants)
     notes += unroll_recurrent(model)
     notes += _remove_dropout(model.graph)
+    _refuse_random(model.graph)
     notes += _folded_batchnorm_note(model.graph)
     buffer_updates = _batchnorm_training_form(model.graph)
     _layernorm_training_form(model.graph)
@@ -189,6 +190,18 @@ def _remove_dropout(graph: onnx.GraphProto) -> list[str]:
             graph.node.append(helper.make_node("Identity", [rename[output.name]], [output.name],
                                                name=f"/{output.name}/Identity"))
     return [f"removed {len(dropouts)} Dropout node(s): stage recomputation needs a deterministic forward"]
+
+
+def _refuse_random(graph: onnx.GraphProto) -> None:
+    """A node drawing random numbers (stochastic depth, a dropout written by hand) makes the forward differ between
+    a stage's forward call and the backward call that recomputes it."""
+    for node in graph.node:
+        if node.op_type in _RANDOM_OPS:
+            raise ModelLoadError(
+                f"node {node.name!r} ({node.op_type}) draws random numbers on every run (stochastic depth, or a "
+                "dropout written by hand): a stage's backward recomputes its forward and must see the same numbers; "
+                "export with that layer's drop probability at 0 (torchvision: stochastic_depth_prob=0.0, timm: "
+                "drop_path_rate=0.0) or with the layer in eval mode")
 
 
 def _is_used(graph: onnx.GraphProto, name: str) -> bool:

@@ -3,9 +3,9 @@
 
 For every layer shape (by default each distinct convolution of the zoo's models, then three
 larger ones) the gradient graph of that one convolution (``loss = sum(conv(x) * g)``) is built
-by ORT's training build, then made portable once with the exporter's forms
-(``FORMS`` in exporter/convolution_rules.py) and once with each alternative that changes the
-graph for that shape:
+by edgert's gradient builder once with the chosen forms (``FORMS`` in
+exporter/gradients/convolution.py), once with each alternative that changes the graph for that
+shape, and, where the training build is installed, by it (``ConvGrad``):
 
 - ``channels_first``: a wide layer's dW windows sliced from a channels-first copy of the input
   (``short_rows=0``), the form before short rows went spatial first; ``spatial_first``: from the
@@ -17,7 +17,8 @@ graph for that shape:
 
 All forms of a shape, and the training build's own graph, run in interleaved rounds (1 thread);
 printed per shape: the training build's ms, the chosen form's ms and its ratio to the training
-build, and each alternative's ms over the chosen form's (above 1: the chosen form is faster).
+build, and each alternative's ms over the chosen form's (above 1: the chosen form is faster);
+every form must compute the same gradients (the training build's, where it runs).
 These are the single-layer figures of docs/EXPORTER.md ("Measured").
 
 Usage: python tools/conv_forms.py [--shapes C,H,M,K,S[,G]/...] [--batch 64] [--rounds 30] [--json]
@@ -37,10 +38,13 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
-from edgert.exporter import convolution_rules  # noqa: E402
-from edgert.exporter.ort_training import gradient_graph  # noqa: E402
-from edgert.exporter.portable import make_portable, tensor_types  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
+
+from edgert.exporter.gradients import convolution  # noqa: E402
+from edgert.exporter.gradients.builder import build_gradient_graph  # noqa: E402
+from edgert.exporter.gradients.shapes import forward_types  # noqa: E402
 from edgert.models import build_model, list_models  # noqa: E402
+from edgert.ort_import import training_folder  # noqa: E402
 
 LARGER = ((16, 28, 32, 3, 1, 1), (32, 32, 32, 3, 1, 1), (64, 16, 64, 3, 1, 1))
 ALTERNATIVES = {
@@ -111,13 +115,25 @@ def zoo_layers() -> list[Layer]:
     return list(found)
 
 
-def portable(graph: onnx.ModelProto, forward: onnx.ModelProto, forms: convolution_rules.ConvForms) -> onnx.ModelProto:
-    chosen = convolution_rules.FORMS
-    convolution_rules.FORMS = forms
+def gradients(forward: onnx.ModelProto, forms: convolution.ConvForms) -> onnx.ModelProto:
+    """edgert's gradient graph of ``forward``'s loss for x and W, its convolution written in ``forms``."""
+    chosen = convolution.FORMS
+    convolution.FORMS = forms
+    model = onnx.ModelProto()
+    model.CopyFrom(forward)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(1.0, np.float32), "loss_grad"))
     try:
-        return make_portable(graph, "conv_forms", tensor_types(onnx.shape_inference.infer_shapes(forward)))
+        return build_gradient_graph(model, {"loss": "loss_grad"}, ["x", "W"], forward_types(forward),
+                                    "conv_forms").model
     finally:
-        convolution_rules.FORMS = chosen
+        convolution.FORMS = chosen
+
+
+def training_build_gradients(forward: onnx.ModelProto) -> onnx.ModelProto:
+    """The training build's own gradient graph (ConvGrad), where it is installed."""
+    from edgert.exporter.ort_training import gradient_graph
+
+    return gradient_graph(forward, "loss", {"x", "W"})
 
 
 def session(model: onnx.ModelProto):
@@ -132,11 +148,12 @@ def session(model: onnx.ModelProto):
 def measure(layer: Layer, batch: int, rounds: int) -> dict:
     """ms per run of each form of ``layer``'s gradients (interleaved rounds, medians) and the ratios."""
     forward = layer.forward()
-    graph = gradient_graph(forward, "loss", {"x", "W"})
-    models = {"training": graph, "chosen": portable(graph, forward, convolution_rules.FORMS)}
+    models = {"chosen": gradients(forward, convolution.FORMS)}
+    if training_folder() is not None:
+        models["training"] = training_build_gradients(forward)
     signature = [n.op_type for n in models["chosen"].graph.node]
     for name, change in ALTERNATIVES.items():
-        model = portable(graph, forward, dataclasses.replace(convolution_rules.FORMS, **change))
+        model = gradients(forward, dataclasses.replace(convolution.FORMS, **change))
         if [n.op_type for n in model.graph.node] != signature:
             models[name] = model
     sessions = {name: session(model) for name, model in models.items()}
@@ -159,14 +176,18 @@ def measure(layer: Layer, batch: int, rounds: int) -> dict:
                 times[name].append(time.perf_counter() - started)
             elif index == 0:
                 results[name] = result
-    for result in results.values():  # every form computes the training build's gradients
-        for output, value in results["training"].items():
+    reference = results.get("training", results["chosen"])
+    for result in results.values():  # every form computes the same gradients (the training build's, where it is)
+        for output in ("x_grad", "W_grad"):
+            value = reference[output]
             scale = max(float(np.max(np.abs(value))), 1e-12)
             error = max(error, float(np.max(np.abs(result[output] - value))) / scale)
     ms = {name: float(np.median(values)) * 1000 for name, values in times.items()}
-    return {"layer": str(layer), "ms": {k: round(v, 3) for k, v in ms.items()}, "max_relative_error": error,
-            "chosen_vs_training": round(ms["chosen"] / ms["training"], 3),
-            **{f"{name}_vs_chosen": round(ms[name] / ms["chosen"], 3) for name in ALTERNATIVES if name in ms}}
+    row = {"layer": str(layer), "ms": {k: round(v, 3) for k, v in ms.items()}, "max_relative_error": error,
+           **{f"{name}_vs_chosen": round(ms[name] / ms["chosen"], 3) for name in ALTERNATIVES if name in ms}}
+    if "training" in ms:
+        row["chosen_vs_training"] = round(ms["chosen"] / ms["training"], 3)
+    return row
 
 
 def parse_shapes(text: str) -> list[Layer]:
@@ -189,8 +210,10 @@ def main() -> None:
             continue
         others = "  ".join(f"{name} {row['ms'][name]:.3f} ms ({row[name + '_vs_chosen']:.2f}x)"
                            for name in ALTERNATIVES if name in row["ms"])
-        print(f"{row['layer']:28s} training {row['ms']['training']:7.3f} ms  chosen {row['ms']['chosen']:7.3f} ms "
-              f"({row['chosen_vs_training']:.2f}x)  {others}  (error {row['max_relative_error']:.0e})", flush=True)
+        training = (f"training {row['ms']['training']:7.3f} ms  " if "training" in row["ms"] else "")
+        versus = f"({row['chosen_vs_training']:.2f}x)  " if "chosen_vs_training" in row else ""
+        print(f"{row['layer']:28s} {training}chosen {row['ms']['chosen']:7.3f} ms {versus}{others}  "
+              f"(error {row['max_relative_error']:.0e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,5 +20,6 @@ Map of the package:
 - ``hetero.py``     ``edgert bench hetero``: planned vs equal cuts vs the ideal on unequal devices, re-planning
 - ``elastic.py``    ``edgert bench elastic``: a device that joins mid-run, steps until it computes
 - ``groups.py``     ``edgert bench groups``: hybrid placements vs the best pipeline, speed-weighted vs equal shares
-- ``portable.py``   ``edgert bench portable``: portable stage graphs vs the training build's, stage by stage
+- ``gradients.py``  ``edgert bench gradients``: edgert's gradient graphs vs the training build's (or other plans'),
+  stage by stage
 """

@@ -1,7 +1,8 @@
 """The pipeline benchmark: edgert's overhead, its pipeline efficiency and a peer, measured in one run.
 
-1. ``bare_ort``: a bare ORT Training loop (Module + ORT's optimizer model) over the same
-   model and batches: the baseline.
+1. ``bare_ort``: a bare ORT Training loop (Module + ORT's optimizer model, the training build's
+   own gradient graphs: exporter/training_build.py) over the same model and batches: the
+   baseline, where the training build is installed (the ``reference`` extra); else skipped.
 2. ``edgert_1stage``: the same model as one stage on one ``edgert worker`` process, fed
    over CoAP by the coordinator. Ratio ``one_stage_vs_bare_ort``.
 3. ``edgert_4stage_1f1b``: four equal stages on four workers, 8 micro-batches, 1F1B, twice:
@@ -71,6 +72,7 @@ from edgert.bench.trace_hops import trace_hops
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.ort_training import training_api
+from edgert.ort_import import training_folder
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, get_model_spec, load_dataset, save_model
 from edgert.schedule import simulate
@@ -108,7 +110,8 @@ CUT_FOR = ("split_backward",)
 
 
 def bare_ort(plan: Path, x: np.ndarray, y: np.ndarray, batch: int, steps: int, warmup: int = WARMUP) -> float:
-    """Samples/s of ORT's own training loop on the 1-stage plan's artifacts, over the steps after ``warmup``."""
+    """Samples/s of ORT's own training loop on a 1-stage reference plan's artifacts (the training build's:
+    exporter/training_build.py), over the steps after ``warmup``."""
     from onnxruntime import SessionOptions
 
     api = training_api()
@@ -164,15 +167,23 @@ def run(config: BenchConfig = BenchConfig()) -> dict[str, Any]:
         export_plan(folder / "model.onnx", folder / "plan1", ExportOptions(stages=1, training=training))
 
         bares, singles = [], []
+        bare_plan = None
+        if training_folder() is not None:
+            from edgert.exporter.training_build import reference_plan
+
+            bare_plan = folder / "plan1-training-build"
+            reference_plan(folder / "plan1", bare_plan)
         with LocalCluster(1) as one:
             for attempt in range(config.repeat):  # alternate, so both see the same machine load
-                bares.append(bare_ort(folder / "plan1", data.x_train, data.y_train, config.batch_size, config.steps,
-                                      WARMUP))
+                if bare_plan is not None:
+                    bares.append(bare_ort(bare_plan, data.x_train, data.y_train, config.batch_size, config.steps,
+                                          WARMUP))
                 singles.append(edgert_run(folder / "plan1", one.urls, folder / f"run1-{attempt}", epochs=100,
                                           batch_size=config.batch_size, micro_batches=1, steps=config.steps,
                                           schedule="1f1b")[0])
-        bare, single = float(np.median(bares)), float(np.median(singles))
-        rows.append({"run": "bare_ort", "model": config.model, "stages": 1, "samples_per_s": round(bare, 1)})
+        bare, single = float(np.median(bares)) if bares else None, float(np.median(singles))
+        if bare is not None:
+            rows.append({"run": "bare_ort", "model": config.model, "stages": 1, "samples_per_s": round(bare, 1)})
         rows.append({"run": "edgert_1stage", "model": config.model, "stages": 1, "samples_per_s": round(single, 1)})
 
         save_model(build_model(config.pipeline_model), folder / "pipeline.onnx")

@@ -31,7 +31,7 @@ BENCHMARKS = {
     "recovery": (True, "A SIGKILL mid-step on 4 local workers: recovery vs restart, replication's cost, accuracy."),
     "pipeline": (True, "edgert's overhead over bare ORT, and 1F1B's efficiency on 4 emulated devices."),
     "hetero": (True, "Planned cuts vs equal cuts vs the ideal on 1/2/5/10x devices, and live re-planning."),
-    "portable": (True, "Portable stage graphs vs the training build's, stage by stage."),
+    "gradients": (True, "edgert's gradient graphs vs the training build's (or other plans'), stage by stage."),
     "elastic": (True, "A device joins a run of slow devices mid-run: steps until it computes, the rate after."),
     "groups": (True, "Hybrid placements on 6 equal devices vs the best pipeline; speed-weighted vs equal shares."),
 }

@@ -239,13 +239,10 @@ def scatter_elements(c: GradientContext) -> dict[int, str]:
 
 @gradient("Pad")
 def pad(c: GradientContext) -> dict[int, str]:
-    """Constant padding: dY with the padding sliced off (and zeros where the Pad cropped)."""
-    w, x = c.writer, c.input(0)
+    """Constant padding: dY with the padding sliced off (and padded with zeros where the Pad cropped)."""
+    x = c.input(0)
     if c.attr("mode", "constant") != "constant":
         raise c.refuse(f"mode {c.attr('mode')!r} is not supported (only constant padding)")
-    pads = _constant(c, c.input(1)) if c.input(1) else np.asarray(c.attr("pads"), dtype=np.int64)
-    if pads is None:
-        raise c.refuse("its pads are computed at run time")
     rank = c.rank(x)
     axes = list(range(rank))
     if c.input(3):
@@ -253,8 +250,12 @@ def pad(c: GradientContext) -> dict[int, str]:
         if axes_value is None:
             raise c.refuse("its axes are computed at run time")
         axes = [int(a) + rank if a < 0 else int(a) for a in axes_value]
+    pads = _constant(c, c.input(1)) if c.input(1) else np.asarray(c.attr("pads"), dtype=np.int64)
+    if pads is None:
+        return {0: _unpad_at_run_time(c, axes)}
     count = len(axes)
     begin, end = [int(p) for p in pads[:count]], [int(p) for p in pads[count:]]
+    w = c.writer
     starts = [max(b, 0) for b in begin]
     ends = [-e if e > 0 else _LARGE for e in end]
     cropped = w.op("Slice", [c.dy(), w.ints(starts), w.ints(ends), w.ints(axes)]) if any(starts) or any(
@@ -265,6 +266,25 @@ def pad(c: GradientContext) -> dict[int, str]:
             full[axis], full[axis + rank] = max(-b, 0), max(-e, 0)
         cropped = w.op("Pad", [cropped, w.ints(full)])
     return {0: cropped}
+
+
+def _unpad_at_run_time(c: GradientContext, axes: list[int]) -> str:
+    """The same for pads computed at run time (a window attention's padding to a multiple of the window)."""
+    w = c.writer
+    count = len(axes)
+    pads = w.cast(c.input(1), TensorProto.INT64)
+    zero = w.ints([0])
+    begin = w.op("Slice", [pads, zero, w.ints([count])])
+    end = w.op("Slice", [pads, w.ints([count]), w.ints([2 * count])])
+    sizes = w.op("Gather", [w.op("Shape", [c.dy()]), w.ints(axes)], axis=0)
+    kept = w.op("Slice", [c.dy(), w.op("Max", [begin, zero]), w.op("Sub", [sizes, w.op("Max", [end, zero])]),
+                          w.ints(axes)])
+    cropped_begin = w.op("Max", [w.op("Neg", [begin]), zero])
+    cropped_end = w.op("Max", [w.op("Neg", [end]), zero])
+    rank = c.rank(c.input(0))
+    full_begin = w.op("ScatterElements", [w.ints([0] * rank), w.ints(axes), cropped_begin], axis=0)
+    full_end = w.op("ScatterElements", [w.ints([0] * rank), w.ints(axes), cropped_end], axis=0)
+    return w.op("Pad", [kept, w.op("Concat", [full_begin, full_end], axis=0)])
 
 
 @gradient("Tile")

@@ -24,9 +24,9 @@ def test_round_trip_is_lossless(plan):
     stage = again.stages[1]
     assert [t.name for t in stage.inputs] == ["a_out", "b_out"]  # the skip crosses this cut
     assert stage.inputs[0].shape == ("N", 6) and stage.inputs[0].dtype == "float32"
-    assert {a.role for a in stage.artifacts} == {"training", "backward", "forward_stash", "backward_stash", "eval",
-                                                 "infer", "optimizer", "checkpoint", "parameters", "backward_input",
-                                                 "backward_weight", "backward_stash_input", "backward_stash_weight"}
+    assert {a.role for a in stage.artifacts} == {"backward", "forward_stash", "backward_stash", "eval", "infer",
+                                                 "parameters", "backward_input", "backward_weight",
+                                                 "backward_stash_input", "backward_stash_weight"}
     # stage 0's backward reads its Relu's output; stage 1's Gemm and Add need nothing of their forward but the inputs
     assert again.stages[0].saved and not stage.saved and not again.stages[-1].saved
     assert all(len(a.sha256) == 64 for a in stage.artifacts)
@@ -35,16 +35,16 @@ def test_round_trip_is_lossless(plan):
 
 def test_tampered_artifact_is_refused(plan):
     manifest = load_manifest(plan)
-    target = plan / manifest.stages[1].artifact("training").path
+    target = plan / manifest.stages[1].artifact("backward").path
     target.write_bytes(target.read_bytes() + b"\x00")
-    with pytest.raises(ManifestError, match="stage 1 training: training.onnx does not match the manifest"):
+    with pytest.raises(ManifestError, match="stage 1 backward: backward.onnx does not match the manifest"):
         load_manifest(plan)
 
 
 def test_missing_artifact_is_refused(plan):
     manifest = load_manifest(plan)
-    (plan / manifest.stages[0].artifact("checkpoint").path).unlink()
-    with pytest.raises(ManifestError, match="stage 0 checkpoint: file .* is missing"):
+    (plan / manifest.stages[0].artifact("parameters").path).unlink()
+    with pytest.raises(ManifestError, match="stage 0 parameters: file .* is missing"):
         load_manifest(plan)
 
 
