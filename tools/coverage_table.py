@@ -8,7 +8,10 @@ case that cannot go through the one line edgert gives), rewritten after every mo
 progress; prints one line per case. Needs the ``torch`` extra. The full matrix takes hours on 2 cores.
 
 Usage: python tools/coverage_table.py [--models resnet18,bert_small] [--exporters torchscript] [--modes training]
-                                      [--stages 1,2,4] [--out coverage.md]
+                                      [--stages 1,2,4] [--out coverage.md] [--exports DIR]
+
+``--exports DIR`` keeps the ONNX exports there and re-uses them on the next run (the dynamo exporter takes minutes
+per model on 2 cores).
 """
 
 from __future__ import annotations
@@ -68,6 +71,14 @@ def _versions() -> str:
     return ", ".join(found)
 
 
+def _export(name: str, exporter: str, mode: str, folder: Path) -> Path:
+    kept = folder / f"{name}-{exporter}-{mode}.onnx"
+    if kept.exists():
+        return kept
+    folder.mkdir(parents=True, exist_ok=True)
+    return export_once(MODELS[name], exporter, mode, folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -75,6 +86,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--stages", default="1,2,4")
     parser.add_argument("--out", type=Path, default=Path("coverage.md"))
+    parser.add_argument("--exports", type=Path, help="a folder to keep the ONNX exports in and re-use them from")
     args = parser.parse_args()
     stages = [int(s) for s in args.stages.split(",")]
     intro = [f"Written by `python tools/coverage_table.py` ({_versions()}). One batch of 8; errors are relative to "
@@ -91,7 +103,7 @@ def main() -> None:
                     folder = Path(scratch) / f"{name}-{exporter}-{mode}"
                     folder.mkdir()
                     try:
-                        path = export_once(MODELS[name], exporter, mode, folder)
+                        path = _export(name, exporter, mode, args.exports or folder)
                     except Exception as error:  # noqa: BLE001 - a failed export is a row of the table
                         results = [CaseResult(name, exporter, mode, n, reason=f"torch export: {one_line(error)}")
                                    for n in stages]

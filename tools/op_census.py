@@ -16,7 +16,7 @@ import argparse
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 import onnx

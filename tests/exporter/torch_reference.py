@@ -53,6 +53,8 @@ def reference_module(module: nn.Module, batchnorm_nodes: int) -> nn.Module:
     if left != batchnorm_nodes:
         raise ReferenceError(f"the export kept {batchnorm_nodes} of {norms} BatchNorm layers; folding every "
                              f"Conv->BatchNorm pair in torch keeps {left}")
+    for parameter in fused.parameters():  # torch makes the bias it folds into a bias-free conv with no grad
+        parameter.requires_grad_(True)
     return fused.train()
 
 

@@ -175,7 +175,8 @@ def export_onnx(module: nn.Module, model: ZooModel, exporter: str, mode: str, pa
     """Export ``module`` as a user would: ``exporter`` is "torchscript" (``dynamo=False``, opset 17) or "dynamo"
     (torch's default); ``mode`` "training" exports ``module.train()`` (TorchScript: ``TrainingMode.TRAINING`` and
     no constant folding, as docs/EXPORTER.md recommends), "eval" exports ``module.eval()`` with the defaults
-    (TorchScript folds BatchNorm into the convolutions before it). The batch axis is dynamic."""
+    (TorchScript folds BatchNorm into the convolutions before it). The batch axis is dynamic. The dynamo exporter
+    writes one file (``external_data=False``): edgert does not read a ``.onnx.data`` beside the model today."""
     if exporter not in EXPORTERS or mode not in MODES:
         raise ValueError(f"exporter {exporter!r} / mode {mode!r}: choose from {EXPORTERS} / {MODES}")
     module.train(mode == "training")
@@ -187,7 +188,9 @@ def export_onnx(module: nn.Module, model: ZooModel, exporter: str, mode: str, pa
         if mode == "training":
             options.update(training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
     else:
-        options = {"dynamo": True, "dynamic_shapes": ({0: torch.export.Dim("N", min=2, max=4096)},)}
+        # one file: edgert reads the .onnx alone, and the default external_data=True puts the weights beside it
+        options = {"dynamo": True, "external_data": False,
+                   "dynamic_shapes": ({0: torch.export.Dim("N", min=2, max=4096)},)}
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         torch.onnx.export(module, example, str(path), **names, **options)
