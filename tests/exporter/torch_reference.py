@@ -8,8 +8,8 @@ reference folds the same Conv->BatchNorm pairs (``torch.fx.experimental.optimiza
 sides compute the same function of the same parameters.
 
 Each trainable initializer of the plan is matched to the reference's parameters: by name and value, else
-by value alone (a folded ``onnx::Conv_12``, or a dynamo export's folded ``conv1.weight``), else element by
-element (an LSTM's packed, gate-reordered weights): its reference gradient is then the torch gradient
+by value alone (a folded ``onnx::Conv_12``, or a dynamo export's folded ``conv1.weight``), or transposed (a
+Linear weight folded into a MatMul's ``onnx::MatMul_7``), else element by element (an LSTM's packed, gate-reordered weights): its reference gradient is then the torch gradient
 gathered the same way. The reference's parameters are then set to the plan's exact values.
 """
 
@@ -109,6 +109,12 @@ class ParameterPool:
                 continue
             if np.allclose(self.flat[indices], value.reshape(-1), rtol=VALUE_RTOL, atol=VALUE_ATOL):
                 return Source((candidate,), indices)
+        if value.ndim == 2:  # a Linear weight an eval export folded into a MatMul's [in, out]
+            for candidate in [n for n in self.names if self.shapes[n] == value.shape[::-1]]:
+                indices = self.whole(candidate).reshape(value.shape[::-1]).T.reshape(-1)
+                if not self.taken[indices].any() and np.allclose(self.flat[indices], value.reshape(-1),
+                                                                 rtol=VALUE_RTOL, atol=VALUE_ATOL):
+                    return Source((candidate,), indices)
         return None
 
     def _match_elements(self, value: np.ndarray) -> Source | None:
