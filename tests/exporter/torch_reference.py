@@ -10,7 +10,8 @@ sides compute the same function of the same parameters.
 Each trainable initializer of the plan is matched to the reference's parameters: by name and value, else
 by value alone (a folded ``onnx::Conv_12``, or a dynamo export's folded ``conv1.weight``), or transposed (a
 Linear weight folded into a MatMul's ``onnx::MatMul_7``), else element by element (an LSTM's packed,
-gate-reordered weights): its reference gradient is then the torch gradient gathered the same way. The reference's parameters are then set to the plan's exact values.
+gate-reordered weights): its reference gradient is then the torch gradient gathered the same way. The
+reference's parameters are then set to the plan's exact values.
 """
 
 from __future__ import annotations
