@@ -185,8 +185,9 @@ def _replace_stages(staging: Path, out_dir: Path) -> None:
 
 
 def _copy_source(source: SourceModel, path: Path) -> None:
-    """Keep the source model beside the plan, for ``edgert check`` and ``edgert merge``."""
-    if Path(source.path).is_file():
+    """Keep the source model beside the plan, for ``edgert check`` and ``edgert merge`` (in one file, the tensors
+    of a model that kept them in an external file included: what ``source.sha256`` hashes)."""
+    if Path(source.path).is_file() and sha256_of(Path(source.path)) == source.sha256:
         shutil.copyfile(source.path, path)
     else:
         path.write_bytes(source.model.SerializeToString())

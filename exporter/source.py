@@ -6,6 +6,7 @@ newer exporter is lowered when its opsets allow it; otherwise the error says why
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ MIN_AI_ONNX_OPSET = 13
 _IR_FOR_OPSET = {13: 7, 14: 7, 15: 8, 16: 8, 17: 8, 18: 8, 19: 9, 20: 9, 21: 10}
 _KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft"}
 SOURCE_FILE = "source.onnx"  # a plan's copy of the model it was cut from
+_PROTOBUF_LIMIT = 2**31  # one serialized protobuf message
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,18 @@ class SourceModel:
 
 
 def load_source_model(path: str | Path) -> SourceModel:
-    """Read an ONNX file, check it, and lower its IR version when ORT 1.19 needs that."""
+    """Read an ONNX file (with its external data file, where its tensors live in one), check it, and lower its IR
+    version when ORT 1.19 needs that.
+
+    A model whose tensors lie in an external file (torch's default exporter writes ``MODEL.onnx.data``) is read
+    whole; its hash is that of the whole model in one file, as a plan keeps it (``source.onnx``).
+    """
     path = Path(path)
     data = _read(path)
     model = _parse(data, path)
+    if _external_data_load(model, path):
+        source = _prepare(model, "", str(path))
+        return dataclasses.replace(source, sha256=hashlib.sha256(source.model.SerializeToString()).hexdigest())
     return _prepare(model, hashlib.sha256(data).hexdigest(), str(path))
 
 
@@ -86,6 +96,23 @@ def _parse(data: bytes, path: Path) -> onnx.ModelProto:
     if not model.HasField("graph") or not model.graph.node:
         raise ModelLoadError(f"{path}: not an ONNX model (no graph with nodes found)")
     return model
+
+
+def _external_data_load(model: onnx.ModelProto, path: Path) -> bool:
+    """Read the tensors ``model`` keeps in external files beside ``path``; False when it keeps none there."""
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    if not any(uses_external_data(tensor) for tensor in model.graph.initializer):
+        return False
+    try:
+        load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError, onnx.checker.ValidationError) as error:
+        raise ModelLoadError(f"{path}: its tensors are stored in an external data file that cannot be read "
+                             f"({error}); keep the .onnx and its data file together") from None
+    if model.ByteSize() >= _PROTOBUF_LIMIT:
+        raise ModelLoadError(f"{path}: {model.ByteSize() / 2**30:.1f} GiB with its tensors; edgert takes models "
+                             "under 2 GiB (one protobuf)")
+    return True
 
 
 def _ai_onnx_opset(model: onnx.ModelProto) -> int | None:
