@@ -73,8 +73,8 @@ def read_image(path: str | Path, shape: tuple[int, int, int]) -> np.ndarray:
     try:
         with image_module.open(path) as image:
             image = image.convert(CHANNEL_MODES[channels])
-            image = image.resize((width, height), image_module.Resampling.BILINEAR, box=_centre_box(image.size,
-                                                                                                    width / height))
+            image = image.crop(_centre_box(image.size, width / height))
+            image = image.resize((width, height), image_module.Resampling.BILINEAR)
             pixels = np.asarray(image, dtype=np.float32) / 255.0
     except FileNotFoundError:
         raise DatasetError(f"image not found: {path}") from None
