@@ -18,16 +18,20 @@ from edgert.models import build_model, load_dataset, save_model
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    """A real 3-stage run of the zoo's mlp on three real worker processes: one epoch, one checkpoint."""
-    folder = tmp_path_factory.mktemp("merge")
-    save_model(build_model("mlp"), folder / "mlp.onnx")
-    export_plan(folder / "mlp.onnx", folder / "plan", ExportOptions(stages=3))
-    with LocalCluster(3, log_dir=folder / "logs") as cluster:
+def one_epoch_run(folder, model, stages: int):
+    """``model`` cut into ``stages`` and trained for one epoch on as many real worker processes: its run folder."""
+    save_model(model, folder / "model.onnx")
+    export_plan(folder / "model.onnx", folder / "plan", ExportOptions(stages=stages))
+    with LocalCluster(stages, log_dir=folder / "logs") as cluster:
         train(TrainConfig(plan_dir=folder / "plan", workers=tuple(cluster.urls), out_dir=folder / "run", epochs=1,
                           listen="coap+tcp://127.0.0.1:0", progress=False))
     return folder / "run"
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A real 3-stage run of the zoo's mlp on three real worker processes: one epoch, one checkpoint."""
+    return one_epoch_run(tmp_path_factory.mktemp("merge"), build_model("mlp"), 3)
 
 
 def copy_run(run, tmp_path):
@@ -158,13 +162,7 @@ def with_training_dropout(model, ratio=0.3):
 @pytest.fixture(scope="module")
 def dropout_run(tmp_path_factory):
     """A real 2-stage run of the zoo's cnn (BatchNorm) with four training-mode Dropouts: one epoch."""
-    folder = tmp_path_factory.mktemp("merge-dropout")
-    save_model(with_training_dropout(build_model("cnn")), folder / "cnn-dropout.onnx")
-    export_plan(folder / "cnn-dropout.onnx", folder / "plan", ExportOptions(stages=2))
-    with LocalCluster(2, log_dir=folder / "logs") as cluster:
-        train(TrainConfig(plan_dir=folder / "plan", workers=tuple(cluster.urls), out_dir=folder / "run", epochs=1,
-                          listen="coap+tcp://127.0.0.1:0", progress=False))
-    return folder / "run"
+    return one_epoch_run(tmp_path_factory.mktemp("merge-dropout"), with_training_dropout(build_model("cnn")), 2)
 
 
 def logits_of(path, x):
