@@ -42,7 +42,7 @@ def load_csv(path: str | Path, label_column: str = DEFAULT_LABEL_COLUMN, seed: i
     check_fraction(test_fraction)
     if not path.is_file():
         raise DatasetError(f"data file not found: {path}")
-    with path.open(newline="", encoding="utf-8", errors="replace") as handle:
+    with path.open(newline="", encoding="utf-8-sig", errors="replace") as handle:
         header = _header(path, handle, label_column)
         label = header.index(label_column)
         features = [k for k in range(len(header)) if k != label]

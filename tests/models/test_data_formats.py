@@ -221,3 +221,14 @@ def test_a_missing_or_broken_data_json_is_one_line(tmp_path):
         read_data_record(tmp_path)
     with pytest.raises(DatasetError, match="run folder not found"):
         read_data_record(tmp_path / "nowhere")
+
+
+def test_a_csv_written_on_windows_reads_the_same(tmp_path):
+    """A byte-order mark and CRLF line ends (a spreadsheet's export) change nothing."""
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbfa,b,label\r\n1,2,cat\r\n3,4,dog\r\n5,6,cat\r\n7,8,dog\r\n\r\n")
+    data = load_csv(path)
+    assert data.classes == ("cat", "dog") and data.sample_shape == (2,)
+    rows = np.concatenate([data.x_train[:], data.x_test[:]])
+    labels = np.concatenate([data.y_train, data.y_test])
+    assert sorted(zip(rows[:, 0].tolist(), labels.tolist())) == [(1.0, 0), (3.0, 1), (5.0, 0), (7.0, 1)]
