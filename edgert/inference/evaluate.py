@@ -51,8 +51,8 @@ def data_settings_for(model: TrainedModel, data: str | None, run_dir: Path | Non
         raise InferenceError(f"{model.path} records no data set (merged before edgert recorded one, or not merged "
                              "by edgert): give --data, or --run with the run folder")
     base = recorded or DataSettings("")
-    settings = DataSettings.given(data, base.seed, base.label_column) if data is not None else base
-    return DataSettings(settings.source, base.seed if seed is None else seed,
+    source = base.source if data is None else DataSettings.given(data).source
+    return DataSettings(source, base.seed if seed is None else seed,
                         base.label_column if label_column is None else label_column, base.test_fraction)
 
 
