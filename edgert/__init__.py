@@ -19,6 +19,8 @@ Map of the package (the folder layout is the architecture; tests/test_architectu
                           every runtime message's ``meta`` on the wire (one rule per field, in its metadata)
   - ``ort_import.py``     the one way onnxruntime is imported: stock or training build, never torch
   - ``providers.py``      the execution providers a worker's sessions use (``--providers``)
+  - ``progress.py``       the one-line progress display of long work (a run, reading data, an evaluation)
+  - ``scoring.py``        loss and accuracy of predictions, summed batch by batch (evaluations on both sides)
 - ``edgert.worker``       ``edgert worker``: what runs on a board (never loads exporter, coordinator, bench, onnx)
 - ``edgert.coordinator``  ``edgert train`` / ``edgert profile``: the central node
 - ``edgert.security``     the cluster's certificate authority, stage signatures and admission, graph scans

@@ -17,8 +17,8 @@ from onnx import TensorProto, helper
 from edgert.exporter.errors import ExportError
 from edgert.exporter.slice import value_info_of as _value_info
 from edgert.manifest import BoundaryTensor
+from edgert.scoring import LOSSES
 
-LOSSES = ("cross_entropy", "mse")
 LOSS_OUTPUT = "loss"
 SCALED_LOSS_OUTPUT = "scaled_loss"
 LOSS_SCALE_INPUT = "loss_scale"

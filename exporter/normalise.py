@@ -76,7 +76,7 @@ def normalise(source: SourceModel, frozen: tuple[str, ...] = ()) -> TrainableGra
     constants = _constants_to_initializers(model.graph)
     notes += separate_deduplicated(model.graph, constants)
     notes += unroll_recurrent(model)
-    notes += _remove_dropout(model.graph)
+    notes += remove_dropout(model.graph)
     _refuse_random(model.graph)
     notes += _folded_batchnorm_note(model.graph)
     buffer_updates = _batchnorm_training_form(model.graph)
@@ -171,7 +171,8 @@ def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto:
     raise ModelLoadError(f"node {node.name!r}: Constant with attribute {attribute.name!r} is not supported")
 
 
-def _remove_dropout(graph: onnx.GraphProto) -> list[str]:
+def remove_dropout(graph: onnx.GraphProto) -> list[str]:
+    """Remove every ``Dropout`` (the identity at inference; its mask must be unused), rewiring its readers."""
     dropouts = [n for n in graph.node if n.op_type == "Dropout"]
     if not dropouts:
         return []
@@ -179,7 +180,7 @@ def _remove_dropout(graph: onnx.GraphProto) -> list[str]:
     for node in dropouts:
         if len(node.output) > 1 and node.output[1] and _is_used(graph, node.output[1]):
             raise ModelLoadError(f"node {node.name!r}: the Dropout mask output is used; edgert cannot remove it")
-        rename[node.output[0]] = node.input[0]
+        rename[node.output[0]] = rename.get(node.input[0], node.input[0])  # Dropout after Dropout: to the first's
         graph.node.remove(node)
     for node in graph.node:
         for i, name in enumerate(node.input):

@@ -5,8 +5,14 @@ Map of the package:
 - ``__init__.py``     :class:`ModelSpec`, the registry: :func:`list_models`,
                       :func:`get_model_spec`, :func:`build_model`, :func:`save_model`
 - ``errors.py``       :class:`UnknownModelError`, :class:`ModelBuildError`, :class:`DatasetError`
-- ``datasets.py``     :class:`Dataset`, ``digits``, ``synthetic_tokens``, ``load_npz``,
-                      ``load_dataset`` (numpy; scikit-learn for digits; never onnx)
+- ``datasets.py``     ``load_dataset``: every data format behind one resolver (a name, or what a path holds)
+- ``samples.py``      :class:`Dataset`, rows read on demand (:class:`RowSubset`), the seeded splits
+- ``digits.py``       ``digits``: scikit-learn's bundled 8x8 digits (imported by name: it needs scikit-learn)
+- ``tokens.py``       ``synthetic_tokens``: the majority-marker task (imported by name)
+- ``npz_data.py``     ``load_npz``: your own arrays in an .npz archive
+- ``csv_data.py``     ``load_csv``: a CSV of features with a label column, streamed into a memory map
+- ``image_folder.py`` ``load_image_folder``, ``read_image``: images in class subfolders (Pillow, when read)
+- ``data_settings.py`` :class:`DataSettings`: how a run read its data, kept in its ``data.json``
 - ``graph.py``        :class:`GraphBuilder`: ``/<block>/<sub>/<OpType>`` node names, seeded
                       ``<block>.<sub>.<kind>`` initializers, opset 17 / IR 8 models
 - ``layers.py``       conv, batch_norm, relu6, linear, projection, layer_norm, gelu
@@ -18,9 +24,10 @@ Map of the package:
 - ``transformer.py``  ``transformer-mini``: two pre-LN transformer layers on token sequences
 - ``fitting_set.py``  :data:`EXTRA_MODELS`: the models the latency predictor is fitted on besides the zoo
 
-Each model module has one ``build(spec, seed)``. Importing this package does not import onnx (a board
-loads datasets without it): builders are imported when a model is built. docs/MODELS.md describes
-every model and data set. Of ``edgert`` it imports only ``edgert.errors``.
+Each model module has one ``build(spec, seed)``. Importing this package, the registry and the data
+formats imports neither onnx nor scikit-learn (a board reads data and evaluates models without
+them): builders and named data sets are imported by name when one is built or loaded.
+docs/MODELS.md describes every model and data format. Of ``edgert`` it imports only ``edgert.errors``.
 """
 
 from __future__ import annotations
@@ -28,13 +35,12 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from edgert.models.datasets import Dataset, load_dataset
 from edgert.models.errors import DatasetError, ModelBuildError, UnknownModelError
 
-if TYPE_CHECKING:
-    import onnx
+ModelProto = Any  # onnx.ModelProto, named without importing onnx, which a board does not have
 
 __all__ = [
     "Dataset",
@@ -169,7 +175,7 @@ def get_model_spec(name: str) -> ModelSpec:
         raise UnknownModelError(f"unknown model {name!r}; the zoo has: {known}") from None
 
 
-def build_model(name: str, seed: int = 0) -> onnx.ModelProto:
+def build_model(name: str, seed: int = 0) -> ModelProto:
     """Build zoo model ``name`` with weights drawn from ``seed`` (same seed, same bytes)."""
     spec = get_model_spec(name)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -178,11 +184,9 @@ def build_model(name: str, seed: int = 0) -> onnx.ModelProto:
     return builder.build(spec, seed)
 
 
-def save_model(model: onnx.ModelProto, path: str | Path) -> Path:
+def save_model(model: ModelProto, path: str | Path) -> Path:
     """Write ``model`` to ``path`` (parent folders are created) and return the path."""
-    import onnx
-
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, str(target))
+    target.write_bytes(model.SerializeToString())
     return target

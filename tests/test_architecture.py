@@ -6,11 +6,12 @@ name`` imports the submodule when ``name`` is one. The rules (issue 16; the map 
 
 1. ``edgert.transport`` and ``edgert.models`` import nothing of edgert outside themselves but
    ``edgert.errors`` (the base error).
-2. What ``edgert worker`` loads holds no ``edgert.exporter``, ``edgert.coordinator``, ``edgert.bench``,
-   ``onnx``, ``torch`` or ``sklearn``: ``edgert.worker``, the ``edgert.cli`` package and the module its
-   table ``COMMANDS`` names for the worker command, with everything they import. ``edgert.cli``
-   imports a command's module only when that command runs (edgert/cli/lazy_group.py), so the other
-   commands' modules are not part of it.
+2. What a board's commands load holds no ``edgert.exporter``, ``edgert.coordinator``, ``edgert.bench``,
+   ``onnx``, ``torch`` or ``sklearn``: for ``edgert worker``, ``edgert.worker``, the ``edgert.cli``
+   package and the module its table ``COMMANDS`` names for the worker command, with everything they
+   import; for ``edgert evaluate`` and ``edgert predict`` (a trained model used on a board), the
+   ``edgert.cli`` package and their module. ``edgert.cli`` imports a command's module only when that
+   command runs (edgert/cli/lazy_group.py), so the other commands' modules are not part of it.
 3. The contract (``edgert/*.py`` and ``edgert/protocol/``) imports neither role, nor the exporter,
    benchmarks or CLI.
 4. The worker, the coordinator, the contract and the transport never import ``edgert.bench``.
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +40,7 @@ BOARD_FORBIDDEN = ("edgert.exporter", "edgert.coordinator", "edgert.bench", "onn
 CONTRACT_FORBIDDEN = ("edgert.worker", "edgert.coordinator", "edgert.exporter", "edgert.bench", "edgert.cli")
 BENCH_FREE = ("edgert.worker", "edgert.coordinator", "edgert.transport")  # and the contract
 WORKER_COMMAND = "worker"
+BOARD_COMMANDS = (WORKER_COMMAND, "evaluate", "predict")  # what a board runs: rule 2 holds for each
 
 
 @dataclass(frozen=True)
@@ -122,12 +125,16 @@ def _is_import_call(node: ast.AST) -> bool:
 
 # -- the CLI: which module holds the worker command ----------------------------------------------
 
+def command_table(graph: ImportGraph) -> dict[str, tuple[str, str]]:
+    """The table ``COMMANDS`` of ``edgert.cli``: each command's module and help."""
+    return next(ast.literal_eval(statement.value) for statement in graph.modules["edgert.cli"].tree.body
+                if isinstance(statement, ast.Assign) and [getattr(t, "id", None) for t in statement.targets]
+                == ["COMMANDS"])
+
+
 def command_module(graph: ImportGraph, command: str = WORKER_COMMAND) -> str:
     """The module ``edgert <command>`` runs from: its entry in the table ``COMMANDS`` of ``edgert.cli``."""
-    table = next(ast.literal_eval(statement.value) for statement in graph.modules["edgert.cli"].tree.body
-                 if isinstance(statement, ast.Assign) and [getattr(t, "id", None) for t in statement.targets]
-                 == ["COMMANDS"])
-    return f"edgert.cli.{table[command][0]}"
+    return f"edgert.cli.{command_table(graph)[command][0]}"
 
 
 def _is_command(statement: ast.stmt, command: str) -> bool:
@@ -167,18 +174,26 @@ def bench_violations(graph: ImportGraph) -> list[str]:
             for name in runtime for i in graph.modules[name].imports if inside(i.target, "edgert.bench")]
 
 
+def board_commands(graph: ImportGraph) -> list[str]:
+    """The board's commands (BOARD_COMMANDS) the table ``COMMANDS`` of ``edgert.cli`` has."""
+    table = command_table(graph)
+    return [command for command in BOARD_COMMANDS if command in table]
+
+
 def board_violations(graph: ImportGraph) -> list[str]:
-    """Rule 2: what ``edgert worker`` and ``edgert.worker`` load holds none of BOARD_FORBIDDEN."""
-    return board_closure(graph)[1]
+    """Rule 2: what each board command (and ``edgert.worker``) loads holds none of BOARD_FORBIDDEN."""
+    return list(dict.fromkeys(v for command in board_commands(graph) for v in board_closure(graph, command)[1]))
 
 
-def board_closure(graph: ImportGraph) -> tuple[dict[str, str | None], list[str]]:
-    """The modules the worker loads (each with the module that first imported it) and the forbidden imports.
+def board_closure(graph: ImportGraph, command: str = WORKER_COMMAND) -> tuple[dict[str, str | None], list[str]]:
+    """The modules ``edgert <command>`` loads (each with the module that first imported it) and the forbidden imports.
 
-    The roots: ``edgert.worker``, ``python -m edgert``, the ``edgert.cli`` package and the worker command's module.
+    The roots: ``python -m edgert``, the ``edgert.cli`` package and the command's module; for the worker,
+    all of ``edgert.worker`` too.
     """
-    entry = [n for n in ("edgert.__main__", "edgert.cli", command_module(graph)) if n in graph.modules]
-    roots = [n for n in graph.modules if inside(n, "edgert.worker")] + entry
+    entry = [n for n in ("edgert.__main__", "edgert.cli", command_module(graph, command)) if n in graph.modules]
+    workers = [n for n in graph.modules if inside(n, "edgert.worker")] if command == WORKER_COMMAND else []
+    roots = workers + entry
     came_from: dict[str, str | None] = {name: None for name in roots}
     queue, violations = deque(roots), []
     while queue:
@@ -187,7 +202,7 @@ def board_closure(graph: ImportGraph) -> tuple[dict[str, str | None], list[str]]
             forbidden = [f for f in BOARD_FORBIDDEN if inside(i.target, f)]
             if forbidden:
                 path = " -> ".join(_chain(came_from, module))
-                violations.append(f"{i} (edgert worker must not load {forbidden[0]}; loaded through {path})")
+                violations.append(f"{i} (edgert {command} must not load {forbidden[0]}; loaded through {path})")
                 continue
             for name in graph.loads(i.target):
                 if name not in came_from:
@@ -219,9 +234,11 @@ def test_the_graph_covers_every_package(graph):
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert set(packages) <= {name for name, m in graph.modules.items() if m.is_package}
     assert {"edgert.protocol", "edgert.worker.worker", "edgert.transport.codec"} <= set(graph.modules)
-    commands = [name for name, m in graph.modules.items() if inside(name, "edgert.cli")
-                for s in m.tree.body if _is_command(s, WORKER_COMMAND)]
-    assert commands == [command_module(graph)]  # the closure starts there
+    assert board_commands(graph) == list(BOARD_COMMANDS)
+    for command in BOARD_COMMANDS:
+        modules = [name for name, m in graph.modules.items() if inside(name, "edgert.cli")
+                   for s in m.tree.body if _is_command(s, command)]
+        assert modules == [command_module(graph, command)]  # the closure starts there
 
 
 @pytest.mark.parametrize("package", ["edgert.transport", "edgert.models"])
@@ -229,8 +246,9 @@ def test_transport_and_models_import_only_the_base_error(graph, package):
     assert own_room_violations(graph, package) == []
 
 
-def test_the_worker_loads_no_host_code(graph):
-    assert board_violations(graph) == []
+@pytest.mark.parametrize("command", BOARD_COMMANDS)
+def test_a_board_command_loads_no_host_code(graph, command):
+    assert board_closure(graph, command)[1] == []
 
 
 def test_the_contract_imports_no_role(graph):
@@ -241,20 +259,45 @@ def test_the_runtime_imports_no_benchmark(graph):
     assert bench_violations(graph) == []
 
 
-def test_the_static_closure_holds_what_the_worker_command_really_loads(graph):
-    """The static closure is no guess: a process that starts ``edgert worker`` loads nothing outside it."""
-    reached, _ = board_closure(graph)
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Path:
+    """A zoo model and the inputs evaluate and predict read on a board: an .npz data set, an .npy of samples."""
+    from edgert.models import build_model, save_model
+
+    folder = tmp_path_factory.mktemp("served")
+    save_model(build_model("mlp"), folder / "mlp.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(folder / "data.npz", x=rng.random((40, 64), np.float32), y=np.arange(40) % 10)
+    np.save(folder / "x.npy", rng.random((3, 64), np.float32))
+    return folder
+
+
+BOARD_RUNS = {  # each board command run for real, as a board runs it
+    "worker": ["worker", "--help"],
+    "evaluate": ["evaluate", "{folder}/mlp.onnx", "--data", "{folder}/data.npz"],
+    "predict": ["predict", "{folder}/mlp.onnx", "{folder}/x.npy"],
+}
+
+
+@pytest.mark.parametrize("command", BOARD_COMMANDS)
+def test_the_static_closure_holds_what_a_board_command_really_loads(graph, served, command):
+    """The static closure is no guess: a process that runs the command loads nothing outside it."""
+    reached, _ = board_closure(graph, command)
+    argv = [arg.format(folder=served) for arg in BOARD_RUNS[command]]
     code = ("import sys\nfrom edgert.cli import main\nimport edgert.worker.worker, edgert.worker.readiness\n"
-            "sys.argv = ['edgert', 'worker', '--help']\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "print('MODULES', *sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('edgert', 'onnx', 'torch', 'sklearn')))")
+            if command == WORKER_COMMAND else "import sys\nfrom edgert.cli import main\n")
+    code += (f"sys.argv = {['edgert', *argv]!r}\n"
+             "try:\n    main()\nexcept SystemExit as exit:\n    assert not exit.code, exit.code\n"
+             "print('MODULES', *sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('edgert', 'onnx', 'torch', 'sklearn')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": ""})
     assert result.returncode == 0, result.stderr
     loaded = set(result.stdout.partition("MODULES")[2].split())
     assert {m for m in loaded if not m.startswith("edgert")} == set()
     assert loaded - set(reached) - {"edgert"} == set()
+    if command != WORKER_COMMAND:
+        assert "edgert.inference.model" in loaded  # it ran, not only its help
 
 
 def test_the_command_line_loads_a_command_only_when_it_runs():
@@ -290,7 +333,8 @@ CLEAN = {
         import importlib
         from edgert.cli import lazy_group
 
-        COMMANDS = {"train": ("train", "Train a plan."), "worker": ("worker", "Run a stage.")}
+        COMMANDS = {"evaluate": ("inference", "Score a model."), "train": ("train", "Train a plan."),
+                    "worker": ("worker", "Run a stage.")}
 
         def load(name):
             return importlib.import_module(f"edgert.cli.{COMMANDS[name][0]}")
@@ -310,6 +354,13 @@ CLEAN = {
             import numpy
         """),
     "edgert/cli/train.py": "from edgert.coordinator import run\nimport onnx\n",
+    "edgert/cli/inference.py": textwrap.dedent("""\
+        import click
+
+        @click.command("evaluate")
+        def evaluate_command():
+            from edgert.models import data
+        """),
     "transport/__init__.py": "",
     "transport/urls.py": "from edgert.errors import EdgertError\nfrom .codec import codec\n",
     "transport/codec.py": "",
@@ -318,6 +369,7 @@ CLEAN = {
     "models/__init__.py": "",
     "models/mlp.py": "import onnx\nfrom edgert.models import errors\n",
     "models/errors.py": "from edgert.errors import EdgertError\n",
+    "models/data.py": "import numpy\nfrom edgert.models import errors\n",
 }
 PACKAGES = {"edgert": "edgert", "edgert.exporter": "exporter", "edgert.transport": "transport",
             "edgert.models": "models"}
@@ -343,6 +395,8 @@ def test_the_clean_fake_repository_keeps_every_rule(tmp_path):
     assert {"edgert.schedule", "edgert.protocol", "edgert.cli.lazy_group", "edgert.cli.params",
             "edgert.transport.urls", "edgert.transport.codec"} <= set(reached)
     assert not {"edgert.cli.train", "edgert.coordinator.run"} & set(reached)  # loaded only when train runs
+    assert "edgert.models.data" not in reached
+    assert {"edgert.cli.inference", "edgert.models.data"} <= set(board_closure(graph, "evaluate")[0])
 
 
 @pytest.mark.parametrize("file,text,violation", [
@@ -380,6 +434,9 @@ def test_the_clean_fake_repository_keeps_every_rule(tmp_path):
     ("edgert/cli/__init__.py", CLEAN["edgert/cli/__init__.py"] + "from edgert.cli import train\n",
      "edgert/cli/train.py:2 imports onnx (edgert worker must not load onnx; loaded through edgert.cli -> "
      "edgert.cli.train)"),
+    ("models/data.py", "def digits():\n    from sklearn.datasets import load_digits\n",
+     "models/data.py:2 imports sklearn.datasets (edgert evaluate must not load sklearn; loaded through "
+     "edgert.cli.inference -> edgert.models.data)"),
     ("edgert/cli/__init__.py", CLEAN["edgert/cli/__init__.py"].replace('"worker": ("worker"', '"worker": ("train"'),
      "edgert/cli/train.py:1 imports edgert.coordinator.run (edgert worker must not load edgert.coordinator; "
      "loaded through edgert.cli.train)"),

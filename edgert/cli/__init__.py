@@ -5,6 +5,7 @@ one of its commands runs or shows its help (:mod:`.lazy_group`), so each command
 
 - ``worker.py``     ``edgert worker``: the on-device runtime (board-side code only, no host extra)
 - ``doctor.py``     ``edgert doctor``: is this board ready to be a worker
+- ``inference.py``  ``edgert evaluate|predict``: use a trained model (board-side code only, no host extra)
 - ``train.py``      ``edgert train``: the central node, its options' defaults those of ``TrainConfig``
 - ``profile.py``    ``edgert profile``: measure the workers and their links for the planner (host)
 - ``keys.py``       ``edgert keys init|enroll|revoke|list`` (host), ``keys import`` (board); the security options
@@ -43,12 +44,14 @@ COMMANDS = {
     "check": ("export", "Train PLAN's stages chained in one process and compare with the unsplit model."),
     "demo": ("demo", "Build a zoo model, cut it into stages, train it on local workers, report."),
     "doctor": ("doctor", "Check that this device can run 'edgert worker'; exit 1 if anything FAILs."),
+    "evaluate": ("inference", "Score MODEL (a merged run) on a data set: loss and accuracy on the run's test split."),
     "export": ("export", "Cut MODEL into pipeline stages and build their ORT training artifacts."),
     "inspect": ("export", "Show a plan folder's stages, or an ONNX model's blocks and legal cuts."),
     "keys": ("keys", "The cluster identity: create it, enrol and revoke devices (docs/SECURITY.md)."),
-    "merge": ("export", "Stitch RUN's trained stages back into one ONNX inference model."),
+    "merge": ("export", "Stitch RUN's trained stages back into one ONNX model, ready to serve."),
     "plan": ("export", "Cut MODEL for the devices DEVICES measured: cuts, device order, codecs, threads; export "
                        "the plan."),
+    "predict": ("inference", "Top classes of MODEL for the samples in INPUTS (.npy, .npz, image files)."),
     "profile": ("profile", "Measure each worker on MODEL's units (forward, backward, memory) and every link "
                            "between workers."),
     "train": ("train", "Train PLAN across WORKERS (one per stage) and record the run."),

@@ -137,12 +137,22 @@ def _progress(message: str) -> None:
 @click.command("merge")
 @click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def merge_command(run: Path, out_path: Path) -> None:
+@click.option("--training-form", is_flag=True,
+              help="Keep the source model's training-mode operators (Dropout, BatchNormalization's training_mode) "
+                   "as exported, for fine-tuning elsewhere. Default: the inference form, ready to serve (no "
+                   "Dropout, BatchNorm on the run's running statistics: the same input, the same output).")
+def merge_command(run: Path, out_path: Path, training_form: bool) -> None:
     require_host_extra("merge")
     from edgert.exporter.merge import merge_run
 
-    result = merge_run(run, out_path)
-    click.echo(f"wrote {out_path}: {result['replaced']} trained tensors from step {result['step'] + 1}")
+    result = merge_run(run, out_path, training_form=training_form)
+    if result.inference is None:
+        form = "training form kept"
+    else:
+        form = (f"inference form: {result.inference.dropouts} Dropout removed, {result.inference.batchnorms} "
+                "BatchNormalization on running statistics")
+    click.echo(f"wrote {out_path}: {result.replaced} trained tensors from step {result.step + 1} ({form})")
+    click.echo(f"use it: edgert evaluate {out_path}   |   edgert predict {out_path} INPUT")
 
 
 def _stage_table(manifest, plan_dir: Path) -> str:

@@ -20,7 +20,10 @@ from edgert.schedule import SCHEDULES
 @click.argument("plan", type=click.Path(exists=True, file_okay=False, path_type=Path), required=False)
 @click.option("--workers", type=CoapUrlList(), default=None, help="Worker URLs in stage order, comma-separated.")
 @click.option("--data", default=TrainConfig.data, show_default=True,
-              help="digits, tokens, or a .npz (x, y[, x_test, y_test]).")
+              help="digits, tokens, a .npz (x, y[, x_test, y_test, classes]), a .csv of features with a label "
+                   "column, or a folder of images in class subfolders (docs/MODELS.md).")
+@click.option("--label-column", default=TrainConfig.label_column, show_default=True,
+              help="A CSV's column of labels (class indices or names).")
 @click.option("--epochs", type=int, default=TrainConfig.epochs, show_default=True)
 @click.option("--steps", type=int, default=TrainConfig.steps, help="Stop after this many optimizer steps.")
 @click.option("--batch-size", type=int, default=TrainConfig.batch_size, show_default=True)
@@ -92,8 +95,9 @@ from edgert.schedule import SCHEDULES
                    "(PLAN and options come from it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object on stdout.")
 @log_level_option
-def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs: int, steps: int | None,
-                  batch_size: int, micro_batches: int, schedule: str, learning_rate: float | None, seed: int,
+def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, label_column: str, epochs: int,
+                  steps: int | None, batch_size: int, micro_batches: int, schedule: str, learning_rate: float | None,
+                  seed: int,
                   codec: str | None, grad_codec: str | None, threads: int, backward_threads: int | None,
                   side_by_side: bool | None, split_backward: bool | None, memory_mode: str, out_dir: Path | None,
                   overwrite: bool,
@@ -124,7 +128,8 @@ def train_command(plan: Path, workers: tuple[str, ...] | None, data: str, epochs
         click.echo(f"run folder: {out_dir}", err=True)
     config = TrainConfig(
         plan_dir=plan, workers=workers, out_dir=out_dir,
-        data=data, epochs=epochs, steps=steps, batch_size=batch_size, micro_batches=micro_batches,
+        data=data, label_column=label_column, epochs=epochs, steps=steps, batch_size=batch_size,
+        micro_batches=micro_batches,
         schedule=schedule, learning_rate=learning_rate, seed=seed, forward_codec=codec, backward_codec=grad_codec,
         forward_threads=threads, backward_threads=backward_threads or threads, side_by_side=side_by_side,
         split_backward=split_backward, listen=listen or default_listen(keys is not None, 0),

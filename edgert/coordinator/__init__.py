@@ -25,7 +25,6 @@ Around the run:
 - ``ledger.py``        :class:`StepLedger`: the stages' step reports; a step is done when every stage reported
 - ``inputs.py``        what the coordinator's resources let in: reports, copies and copy queries of this run
 - ``data.py``          the training data for a plan and its seeded batches
-- ``progress.py``      the one-line progress display
 - ``runlog.py``        the run folder: ``run.json``, ``metrics.jsonl``, ``trace.json``
 - ``tracefile.py``     ``trace.json`` streamed as Chrome trace events
 - ``run_summary.py``   :class:`RunSummary`: the end-of-run summary, read from the run folder

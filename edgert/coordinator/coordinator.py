@@ -30,7 +30,6 @@ from edgert.coordinator.evaluation import Evaluation
 from edgert.coordinator.failures import FailureDetector, health_of
 from edgert.coordinator.inputs import read_report
 from edgert.coordinator.ledger import HISTORY, StepLedger, StepRecord
-from edgert.coordinator.progress import Progress
 from edgert.coordinator.recovery import Recovery
 from edgert.coordinator.replanning import Replanning
 from edgert.coordinator.run_state import RunState
@@ -42,6 +41,9 @@ from edgert.coordinator.stage_groups import check_splittable, groups_record, pla
 from edgert.errors import EdgertError
 from edgert.exporter.device_plan import PlannedPlacement, load_placement
 from edgert.manifest import MANIFEST_NAME, MEMORY_MODES, TrainingConfig, load_manifest
+from edgert.models.csv_data import DEFAULT_LABEL_COLUMN
+from edgert.models.data_settings import DATA_FILE, DataRecord, DataSettings, read_data_record, write_data_record
+from edgert.progress import Progress
 from edgert.protocol import REPORT, STOP, Health
 from edgert.run_settings import RunSettings
 from edgert.schedule import SCHEDULES
@@ -61,6 +63,7 @@ class TrainConfig:
     workers: tuple[str, ...]
     out_dir: Path
     data: str = "digits"
+    label_column: str = DEFAULT_LABEL_COLUMN  # a CSV's column of labels
     epochs: int = 5
     steps: int | None = None
     batch_size: int = 64
@@ -99,6 +102,10 @@ class TrainConfig:
     resume: bool = False  # continue the run in out_dir from its newest snapshot
     overwrite: bool = False  # out_dir may hold another run: its records are removed
     keys: Path | None = None  # the cluster keystore (edgert keys init); None: plaintext (--insecure)
+
+    def data_settings(self) -> DataSettings:
+        """The data this run reads and how it splits it (recorded in the run folder's data.json)."""
+        return DataSettings.given(self.data, self.seed, self.label_column)
 
     def run_settings(self, training: TrainingConfig, planned_side_by_side: bool = False,
                      planned: PlannedPlacement | None = None) -> RunSettings:
@@ -167,7 +174,10 @@ class Coordinator:
             check_splittable(groups, config.batch_size, config.micro_batches, config.schedule)
             run_id, self.started = new_run_id(), time.time()
         self.state = RunState(run_id, manifest, config.plan_dir, order, groups=groups)
-        self.dataset = load_training_data(config.data, manifest, config.seed)
+        self.data_settings = config.data_settings()
+        reading = Progress(0, "reading data", enabled=config.progress)
+        self.dataset = load_training_data(self.data_settings, manifest, reading)
+        reading.close()
         self.security = None
         if config.keys is not None:
             from edgert.security.keystore import HostSecurity  # host side only
@@ -309,6 +319,7 @@ class Coordinator:
             if source.is_file():
                 shutil.copyfile(source, plan_copy / "source.onnx")
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self.config).items()}
+        write_data_record(self.config.out_dir, DataRecord.of(self.data_settings, self.dataset))
         self.log.write_json(RUN_FILE, {"run_id": self.run_id, "started": self.log.started, "config": config,
                                        "workers": self.state.names, "plan": str(self.config.plan_dir.resolve()),
                                        "stages": len(self.state.manifest.stages)})
@@ -457,6 +468,8 @@ def resumed_config(run_dir: Path, workers: list[str] | None = None) -> TrainConf
         if values.get(name) is not None:
             values[name] = Path(values[name])
     values["workers"] = tuple(workers) if workers else tuple(values["workers"])
+    if (Path(run_dir) / DATA_FILE).is_file():  # the data's absolute path: the run resumes from any folder
+        values["data"] = read_data_record(run_dir).settings.source
     values["replan_at"] = tuple((step, tuple(cuts) if cuts else None) for step, cuts in values.get("replan_at", ()))
     return TrainConfig(**{**values, "out_dir": Path(run_dir), "resume": True, "overwrite": False})
 

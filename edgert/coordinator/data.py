@@ -1,8 +1,9 @@
 """Training data for a plan: the data set its manifest can take, and seeded batches of it.
 
 ``--data digits`` (scikit-learn's bundled digits), ``--data tokens`` (the synthetic token
-task) or ``--data FILE.npz``. Shapes and dtypes are checked against the plan's input and
-labels before any worker is touched.
+task), ``--data FILE.npz``, ``--data FILE.csv`` (with ``--label-column``) or ``--data FOLDER``
+of images in class subfolders: every format is defined in edgert.models (docs/MODELS.md).
+Shapes and dtypes are checked against the plan's input and labels before any worker is touched.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ import numpy as np
 
 from edgert.coordinator.errors import DataError
 from edgert.manifest import Manifest
+from edgert.models.data_settings import DataSettings
+from edgert.progress import Progress
 
 
-def load_training_data(name: str, manifest: Manifest, seed: int = 0):
-    """Load ``name`` for the plan's model and check it fits the plan's input and labels."""
-    from edgert.models import get_model_spec, load_dataset
+def load_training_data(settings: DataSettings, manifest: Manifest, progress: Progress | None = None):
+    """Load the data ``settings`` pick for the plan's model and check it fits the plan's input and labels."""
+    from edgert.models import get_model_spec
 
     spec = None
     model_name = manifest.metadata.get("edgert.model")
     if model_name:
         spec = get_model_spec(model_name)
-    if name == "digits" and spec is None:
-        name = "digits-flat" if len(manifest.model_input[0].shape) == 2 else "digits-image"
-    dataset = load_dataset(name, spec, seed=seed)
+    on_read = None if progress is None else progress.follow
+    dataset = settings.load(spec, tuple(manifest.model_input[0].shape[1:]), on_read)
     check_fits(dataset, manifest)
     return dataset
 

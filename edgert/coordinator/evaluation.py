@@ -22,30 +22,19 @@ import numpy as np
 
 from edgert.chain import StageChain
 from edgert.checkpoint import CheckpointInfo, save_checkpoint_info
-from edgert.coordinator.progress import Progress
 from edgert.coordinator.run_state import RunState
 from edgert.coordinator.runlog import RunLog
 from edgert.coordinator.snapshots import CentralCopies
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.models.datasets import Dataset
+from edgert.progress import Progress
 from edgert.protocol import WEIGHTS
+from edgert.scoring import Score
 from edgert.transport import TensorClient, deadline
 from edgert.weights import StageState, save_state
 
 SNAPSHOT_WAIT_S = 30.0  # how long the end of a segment waits for the copies of its epoch ends
-
-
-def loss_and_accuracy(loss: str, prediction: np.ndarray, labels: np.ndarray) -> tuple[float, float | None]:
-    """Mean loss and (for classification) accuracy of a prediction."""
-    if loss == "cross_entropy":
-        logits = prediction.reshape(-1, prediction.shape[-1]).astype(np.float64)
-        target = labels.reshape(-1)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        mean_loss = float(-log_probs[np.arange(len(target)), target].mean())
-        return mean_loss, float(np.mean(logits.argmax(axis=1) == target))
-    return float(np.mean((prediction.astype(np.float64) - labels) ** 2)), None
 
 
 class StateScorer:
@@ -61,8 +50,10 @@ class StateScorer:
         for stage, state in zip(self._chain.stages, states):
             stage.load_parameters(state.parameters)
         input_name = self._manifest.model_input[0].name
-        predictions = [self._chain.infer({input_name: x[i:i + batch_size]}) for i in range(0, len(x), batch_size)]
-        return loss_and_accuracy(self._manifest.training.loss, np.concatenate(predictions), y)
+        score = Score(self._manifest.training.loss)
+        for i in range(0, len(x), batch_size):
+            score.add(self._chain.infer({input_name: x[i:i + batch_size]}), y[i:i + batch_size])
+        return score.mean_loss, score.accuracy
 
 
 class Evaluation:

@@ -21,7 +21,6 @@ from edgert.coordinator.evaluation import Evaluation
 from edgert.coordinator.failures import FailureDetector, dead_among
 from edgert.coordinator.inputs import central_copy_origin, read_copy_query
 from edgert.coordinator.ledger import StepLedger
-from edgert.coordinator.progress import Progress
 from edgert.coordinator.replanning import Replanning
 from edgert.coordinator.run_state import RunState
 from edgert.coordinator.run_summary import count_events
@@ -31,6 +30,7 @@ from edgert.coordinator.stage_groups import groups_record, without_failed
 from edgert.errors import EdgertError, ReplicaStoreFull
 from edgert.groups import StageGroup
 from edgert.manifest import MANIFEST_NAME, Manifest
+from edgert.progress import Progress
 from edgert.protocol import MIGRATE, REPLICA, STOP, WEIGHTS
 from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TooLarge, TransportError
 from edgert.weights import StageState

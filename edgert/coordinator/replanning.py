@@ -27,7 +27,6 @@ from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.evaluation import Evaluation
 from edgert.coordinator.failures import FailureDetector, health_of
 from edgert.coordinator.ledger import StepLedger
-from edgert.coordinator.progress import Progress
 from edgert.coordinator.run_state import RunState
 from edgert.coordinator.run_summary import count_events
 from edgert.coordinator.runlog import RunLog
@@ -36,6 +35,7 @@ from edgert.devices import save_devices
 from edgert.errors import EdgertError
 from edgert.groups import StageGroup
 from edgert.manifest import Manifest
+from edgert.progress import Progress
 from edgert.protocol import JOIN, JoinRequest, read_request
 from edgert.security.admission import StageSigning
 from edgert.transport import BadRequest, Request, TensorClient, TensorServer, TransportError

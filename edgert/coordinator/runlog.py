@@ -19,13 +19,14 @@ from typing import Any
 
 from edgert.coordinator.errors import TrainingError
 from edgert.coordinator.tracefile import TraceWriter
+from edgert.models.data_settings import DATA_FILE
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "trace.json"
 # what a run writes into its folder (docs/RUNS.md); --overwrite removes exactly these
 RUN_RECORDS = (RUN_FILE, METRICS_FILE, TRACE_FILE, "checkpoints", "snapshots", "plans", "stage-cache", "profile",
-               "devices.json")
+               "devices.json", DATA_FILE)
 ROLLBACK_EVENTS = ("recovery", "resume")  # events whose resume_step supersedes later step and eval records
 REPLAYED_TYPES = ("step", "eval")
 

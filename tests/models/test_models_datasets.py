@@ -10,14 +10,10 @@ import pytest
 
 from edgert.errors import EdgertError, MissingDependencyError
 from edgert.models import get_model_spec
-from edgert.models.datasets import (
-    Dataset,
-    digits,
-    load_dataset,
-    load_npz,
-    synthetic_tokens,
-)
+from edgert.models.datasets import Dataset, load_dataset, load_npz
+from edgert.models.digits import digits
 from edgert.models.errors import DatasetError
+from edgert.models.tokens import synthetic_tokens
 
 
 def _bag_of_tokens(x: np.ndarray, vocab: int) -> np.ndarray:

@@ -232,3 +232,42 @@ def test_every_zoo_model_trains_on_the_board_as_on_this_host(board, tmp_path):
                     for k, v in gradients.items())
         assert worst / scale <= 1e-5, f"{name}: largest gradient difference {worst / scale:.2e} of the largest"
     shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_board_evaluates_and_predicts_like_this_host(board):
+    """``edgert evaluate`` and ``edgert predict`` on the board (stock onnxruntime, no onnx, no scikit-learn): the
+    figures this host computes, for a model with class names and data of its own."""
+    import json
+    import shutil
+    import sys
+
+    shared = board.shared / "use-result"
+    shutil.rmtree(shared, ignore_errors=True)
+    shared.mkdir(parents=True)
+    model = build_model("mlp", seed=1)
+    model.metadata_props.add(key="edgert.classes", value=json.dumps([f"c{k}" for k in range(10)]))
+    save_model(model, shared / "mlp.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(shared / "data.npz", x=rng.random((50, 64), np.float32), y=rng.integers(0, 10, 50))
+    np.save(shared / "rows.npy", rng.random((3, 64), np.float32))
+    results = {}
+    for where, python, folder in (("board", board.python, board.shared_inside + "/use-result"),
+                                  ("host", [sys.executable], str(shared))):
+        commands = (["evaluate", f"{folder}/mlp.onnx", "--data", f"{folder}/data.npz", "--json"],
+                    ["predict", f"{folder}/mlp.onnx", f"{folder}/rows.npy", "--json"])
+        outputs = []
+        for command in commands:
+            done = subprocess.run([*python, "-m", "edgert", *command], capture_output=True, text=True, timeout=600,
+                                  cwd="/")
+            assert done.returncode == 0, f"{where}: {done.stderr[-2000:]}"
+            outputs.append([json.loads(line) for line in done.stdout.splitlines()])
+        results[where] = outputs
+    (board_scores, board_top), (host_scores, host_top) = results["board"], results["host"]
+    assert board_scores[0]["samples"] == host_scores[0]["samples"] == 10
+    assert board_scores[0]["accuracy"] == host_scores[0]["accuracy"]
+    assert board_scores[0]["loss"] == pytest.approx(host_scores[0]["loss"], rel=1e-5)
+    assert [[t["name"] for t in line["top"]] for line in board_top] == [[t["name"] for t in line["top"]]
+                                                                        for line in host_top]
+    np.testing.assert_allclose([[t["probability"] for t in line["top"]] for line in board_top],
+                               [[t["probability"] for t in line["top"]] for line in host_top], rtol=1e-5)
+    shutil.rmtree(shared, ignore_errors=True)

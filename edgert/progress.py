@@ -1,4 +1,4 @@
-"""A one-line progress display for long runs: step, loss, accuracy, throughput.
+"""A one-line progress display for long work (a run: step, loss, accuracy, throughput; an evaluation).
 
 On a terminal the line is redrawn in place; otherwise (CI logs, pipes) a line is printed
 every few seconds, so logs stay readable.
@@ -15,7 +15,8 @@ class Progress:
     """``update()`` after each step; ``close()`` at the end."""
 
     def __init__(self, total: int, label: str = "train", stream: TextIO | None = None, enabled: bool = True,
-                 interval: float = 2.0):
+                 interval: float = 2.0, delay: float = 0.0):
+        """``delay``: show nothing of work that ends sooner (a quick evaluation prints its result alone)."""
         self.total = total
         self.label = label
         self.stream = stream or sys.stderr
@@ -24,9 +25,10 @@ class Progress:
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._last = 0.0
         self._line = ""
+        self._quiet_until = time.monotonic() + delay
 
     def update(self, done: int, **values: float | str | None) -> None:
-        if not self.enabled:
+        if not self.enabled or time.monotonic() < self._quiet_until:
             return
         width = 24
         filled = int(width * done / max(self.total, 1))
@@ -41,6 +43,11 @@ class Progress:
             self.stream.write(self._line + "\n")
             self.stream.flush()
             self._last = now
+
+    def follow(self, done: int, total: int) -> None:
+        """``update`` for work whose total a callback reports as it goes (``progress(done, total)``)."""
+        self.total = total
+        self.update(done)
 
     def message(self, text: str) -> None:
         """Print a line above the progress line."""
