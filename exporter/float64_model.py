@@ -66,6 +66,12 @@ class Float64Model:
             self._buffers[buffer] = outputs[output]
         return float(outputs[LOSS_OUTPUT])
 
+    def gradients_at(self, inputs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray],
+                     parameters: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The gradients at ``parameters`` (every trainable one), nothing changed."""
+        outputs = self._backward.run(self._feeds(inputs, labels, parameters))
+        return {name: outputs[f"{name}_grad"] for name in self.trainable}
+
     def loss_at(self, inputs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray],
                 parameters: Mapping[str, np.ndarray]) -> float:
         """The loss at ``parameters`` (every trainable one), nothing else changed."""
