@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 
 from edgert.chain import StageChain
-from edgert.exporter.float64_model import Float64Model
+from edgert.exporter.float64_model import Float64Chain
 from edgert.manifest import Manifest, load_manifest
 
 DEFAULT_TOLERANCE = 1e-5  # the least relative difference allowed, whatever the floor
@@ -131,7 +131,7 @@ def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps
         progress("exporting the unsplit model as one stage (the reference)")
         whole = _unsplit_plan(source, manifest, Path(scratch) / "whole")
         runs = {"chain": StageChain(plan_dir, manifest), "float32": StageChain(whole),
-                "float64": Float64Model(whole, load_manifest(whole))}
+                "float64": Float64Chain(whole, load_manifest(whole))}
         losses: dict[str, float] = {}
         gradients: dict[str, dict[str, np.ndarray]] = {}
         formula = 0.0
@@ -179,7 +179,7 @@ def _unsplit_plan(source: onnx.ModelProto, manifest: Manifest, folder: Path) -> 
     return folder
 
 
-def _formula_error(model: Float64Model, inputs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray],
+def _formula_error(model: Float64Chain, inputs: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray],
                    seed: int) -> float:
     """The largest difference, over :data:`PROBES` random directions v, between the float64 gradient's g.v and the
     central differences of the float64 loss along v (the closer of :data:`PROBE_STEPS`); relative to the sum of the

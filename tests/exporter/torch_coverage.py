@@ -11,7 +11,14 @@ The judgement (``CaseResult``), in one place so that the tests and tools/coverag
 - a group's noise floor is the same measure for torch's own float32 autograd against float64;
 - the case passes when every trained initializer was matched to a torch parameter and every group's error is
   at most max(4 x its noise floor, 1e-5). It reports its worst group: the one whose error is the largest
-  fraction of its tolerance, with that error and that noise floor.
+  fraction of its tolerance, with that error and that noise floor;
+- and the plan's own graphs, chained in float64 (exporter/float64_model.py), must give torch's float64 gradients
+  to within 1e-6 in every group: the same arithmetic in the same precision, so this holds where float32 cannot
+  be judged group by group. A model where torch's own float32 error exceeds 1e-3 in some group is *chaotic* in
+  float32: a deep BatchNorm net at random initialisation (resnet50 at 64 to 128 pixels: torch float32 is 15-40%
+  off float64 in some layers, seeds 0-2), where float32 and float64 runs take different ReLU branches here and
+  there, and which groups land far off is chance. There each group is allowed 4 x torch float32's largest error
+  over all groups (edgert's float32 no worse than torch's), and the float64 run judges the graphs.
 
 Per group, not over the whole model: torch's float32 error is far larger in some layers (a convolution before a
 BatchNorm over 2x2 maps: 8e-2 in resnet18's layer4 at 64x64) than in others (1e-7), and one model-wide floor
@@ -31,6 +38,7 @@ import torch
 from edgert.chain import StageChain
 from edgert.errors import EdgertError
 from edgert.exporter.export import ExportOptions, export_plan
+from edgert.exporter.float64_model import Float64Chain
 from edgert.manifest import TrainingConfig
 from tests.exporter.torch_reference import (
     ParameterPool,
@@ -44,6 +52,8 @@ from tests.exporter.torch_zoo import CLASSES, MODELS, ZooModel, export_onnx
 
 NOISE_FACTOR = 4.0
 ERROR_FLOOR = 1e-5
+EXACT_TOLERANCE = 1e-6  # the plan's graphs in float64 against torch in float64, per group
+CHAOTIC = 1e-3  # torch's float32 error above this in a group: the model is chaotic in float32 (module docstring)
 BATCH = 8
 LEARNING_RATE = 0.01  # the SGD the plans are built with (one batch's gradients do not depend on it); at 0.05 a
 # random-init resnet18's loss jumps 2.3 -> 5.8 in one step and float32 rounding grows to 3e-3 of the loss by step 3
@@ -60,6 +70,8 @@ class CaseResult:
     largest_error: float | None = None  # of the worst group
     noise_floor: float | None = None  # of the worst group
     worst_group: str = ""
+    exact_error: float | None = None  # the plan's graphs in float64 against torch in float64, the worst group
+    chaotic: int = 0  # groups where torch's float32 error exceeds CHAOTIC
     compared: int = 0  # trained initializers matched to torch parameters
     trained: int = 0  # trained initializers in the plan
     reason: str = ""
@@ -71,15 +83,17 @@ class CaseResult:
 
     @property
     def passed(self) -> bool:
-        return not self.reason and self.largest_error is not None and self.largest_error <= self.tolerance
+        return (not self.reason and self.largest_error is not None and self.largest_error <= self.tolerance
+                and self.exact_error is not None and self.exact_error <= EXACT_TOLERANCE)
 
     def verdict(self) -> str:
         """One line: the figures and, on failure, why."""
         if self.largest_error is None:
             return f"failed: {self.reason}"
         figures = (f"worst group {self.worst_group}: error {self.largest_error:.2e}, noise floor "
-                   f"{self.noise_floor:.2e}, tolerance {self.tolerance:.2e}; {self.compared}/{self.trained} "
-                   "parameters compared")
+                   f"{self.noise_floor:.2e}, tolerance {self.tolerance:.2e}; in float64 {self.exact_error:.2e} "
+                   f"(tolerance {EXACT_TOLERANCE:.0e}); {self.chaotic} chaotic group(s); {self.compared}/"
+                   f"{self.trained} parameters compared")
         if self.passed:
             return figures
         return f"failed: {self.reason or 'error above tolerance'} ({figures})"
@@ -158,17 +172,20 @@ def run_case(model_name: str, exporter: str, mode: str, stages: int, onnx_path: 
         feeds, label_feeds = matched.feeds(model, inputs, labels)
         loss = matched.chain.train_batch(feeds, label_feeds).loss
         gradients = matched.chain.gradients()
+        wide = Float64Chain(plan_dir, matched.chain.manifest)
+        wide.train_batch(feeds, label_feeds)
+        exact = wide.gradients()
     except ReferenceError as error:
         result.reason = f"reference: {error}"
     except Exception as error:  # noqa: BLE001 - what edgert says is the result
         result.reason = one_line(error)
     else:
-        _judge(result, matched, inputs, labels, loss, gradients)
+        _judge(result, matched, inputs, labels, loss, gradients, exact)
     result.seconds = time.monotonic() - started
     return result
 
 
-def _judge(result: CaseResult, matched: Matched, inputs, labels, loss: float, gradients: dict) -> None:
+def _judge(result: CaseResult, matched: Matched, inputs, labels, loss: float, gradients: dict, exact: dict) -> None:
     shapes = {name: value.shape for name, value in matched.values.items()}
     loss64, grads64 = loss_and_gradients(matched.reference, inputs, labels, torch.float64)
     loss32, grads32 = loss_and_gradients(matched.reference, inputs, labels, torch.float32)
@@ -178,6 +195,11 @@ def _judge(result: CaseResult, matched: Matched, inputs, labels, loss: float, gr
     result.trained, result.compared = len(matched.values), len(matched.sources)
     errors = {"loss": abs(loss - loss64) / abs(loss64), **group_errors(reference, gradients, groups)}
     floors = {"loss": abs(loss32 - loss64) / abs(loss64), **group_errors(reference, float32, groups)}
+    exact_errors = group_errors(reference, {name: exact[name] for name in reference}, groups)
+    result.exact_error = max(exact_errors.values(), default=0.0)
+    result.chaotic = sum(floor > CHAOTIC for floor in floors.values())
+    if result.chaotic:
+        floors = dict.fromkeys(floors, max(floors.values()))
     worst = max(errors, key=lambda g: errors[g] / max(NOISE_FACTOR * floors[g], ERROR_FLOOR))
     result.worst_group, result.largest_error, result.noise_floor = worst, errors[worst], floors[worst]
     if matched.unmatched:
