@@ -96,12 +96,10 @@ def build_gradient_graph(model: onnx.ModelProto, seeds: Mapping[str, str], wante
                 source = node.input[position]
                 types.setdefault(value, types[source])
                 gradients.setdefault(source, []).append(value)
-    outputs, named = [], {}
-    for name in wanted:
-        if name in gradients:
-            final = gradient_name(name)
-            _name_output(backward, _total(gradients, name, backward, opset), final, named)
-            outputs.append(helper.make_tensor_value_info(final, types[name].elem_type, types[name].shape))
+    totals = {name: _total(gradients, name, backward, opset) for name in wanted if name in gradients}
+    _name_outputs(backward, totals)
+    outputs = [helper.make_tensor_value_info(gradient_name(name), types[name].elem_type, types[name].shape)
+               for name in totals]
     result = onnx.ModelProto()
     result.CopyFrom(model)
     del result.graph.node[:]
@@ -170,20 +168,24 @@ def _unique_prefixes(graph: onnx.GraphProto) -> list[str]:
             for index, node in enumerate(graph.node)]
 
 
-def _name_output(backward: list[onnx.NodeProto], value: str, final: str, named: dict[str, str]) -> None:
-    """Give ``value`` the name ``final``: the backward node computing it writes it under that name (so that it is
-    computed where the value is, not by a copy elsewhere); a value no backward node computes (a seed), or one
-    already named for another tensor, is copied."""
-    producer = next((node for node in backward if value in node.output), None)
-    if producer is None or value in named:
-        backward.append(helper.make_node("Identity", [named.get(value, value)], [final], name=f"/grad/{final}"))
-        return
-    named[value] = final
+def _name_outputs(backward: list[onnx.NodeProto], totals: Mapping[str, str]) -> None:
+    """Give each wanted tensor's gradient its output name ``<name>_grad``: the backward node computing it writes it
+    under that name (so that it is computed where the value is, not copied elsewhere: the B/W split keeps a
+    BatchNorm's parameter gradients beside the sums its input gradient needs); a value no backward node computes
+    (a seed), or one already named for another tensor, is copied."""
+    produced = {name for node in backward for name in node.output}
+    renames: dict[str, str] = {}
+    for name, value in totals.items():
+        final = gradient_name(name)
+        if value in produced and value not in renames:
+            renames[value] = final
+        else:
+            backward.append(helper.make_node("Identity", [renames.get(value, value)], [final], name=f"/grad/{final}"))
     for node in backward:
         for slots in (node.input, node.output):
             for index, name in enumerate(slots):
-                if name == value:
-                    slots[index] = final
+                if name in renames:
+                    slots[index] = renames[name]
 
 
 def _total(gradients: dict[str, list[str]], tensor: str, backward: list[onnx.NodeProto], opset: int) -> str | None:

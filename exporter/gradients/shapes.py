@@ -1,10 +1,10 @@
 """The element type and shape of every tensor of a forward graph, for the gradient rules.
 
 onnx's shape inference loses dimensions behind shapes computed at run time (a channel
-shuffle's ``Reshape`` of ``Shape`` arithmetic, a torch model's ``view(x.size(0), -1)``). So the
-graph is also run, on random data at two batch sizes, with stock onnxruntime: a dim equal in
-both runs is fixed; one that grows with the batch is named after it (``N``, ``N*8``); rules
-then take constant shapes where they can and ``Shape`` where they cannot.
+shuffle's ``Reshape`` of ``Shape`` arithmetic, a torch model's ``view(x.size(0), -1)``). Where
+it does, the graph is also run, on random data at two batch sizes, with stock onnxruntime: a dim
+equal in both runs is fixed; one that grows with the batch is named after it (``N``, ``N*8``);
+rules then take constant shapes where they can and ``Shape`` where they cannot.
 """
 
 from __future__ import annotations
@@ -28,12 +28,24 @@ def forward_types(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray] | None
     ``feeds`` gives values for inputs that random data must not replace (parameters, say).
     """
     types = inferred_types(model)
+    if _complete(model, types):
+        return types
     probed = _probe(model, feeds or {})
     for name, kind in probed.items():
         known = types.get(name)
         if known is None or known.shape is None or _less_known(known.shape, kind.shape):
             types[name] = kind
     return types
+
+
+def _complete(model: onnx.ModelProto, types: Mapping[str, TensorType]) -> bool:
+    """Whether inference typed every node output, each dim a number or named (a run would add nothing)."""
+    for node in model.graph.node:
+        for name in node.output:
+            kind = types.get(name) if name else None
+            if name and (kind is None or kind.shape is None or any(d is None for d in kind.shape)):
+                return False
+    return True
 
 
 def inferred_types(model: onnx.ModelProto) -> dict[str, TensorType]:
