@@ -64,6 +64,7 @@ from edgert.transport.oscore import OscoreRequests
 from edgert.transport.oscore_keys import OscoreKeys
 from edgert.transport.submission import Attempts, Submission, WrittenRequests
 from edgert.transport.tls import TlsCredentials
+from edgert.transport.transfers import PieceOptions, request_in_pieces
 from edgert.transport.urls import format_url, parse_url
 
 Payload = Envelope | bytes | bytearray | memoryview | None
@@ -131,6 +132,7 @@ class TensorClient:
         self.submissions: set[Submission] = set()
         """Submitted requests in flight (loop thread only); see :meth:`cancel_submissions`."""
         self._written: WrittenRequests | None = None  # submitted requests written from other threads
+        self._in_pieces: set[concurrent.futures.Future] = set()  # submitted bodies in pieces (tasks on the loop)
 
     async def start(self) -> TensorClient:
         """Create the aiocoap context (also done lazily by the first request)."""
@@ -174,7 +176,10 @@ class TensorClient:
             self._written.stop()
         submissions, self.submissions = self.submissions, set()
         tasks = [task for task in (submission.cancel() for submission in submissions) if task is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        in_pieces, self._in_pieces = self._in_pieces, set()
+        for future in in_pieces:
+            future.cancel()
+        await asyncio.gather(*tasks, *(asyncio.wrap_future(f) for f in in_pieces), return_exceptions=True)
 
     async def close(self) -> None:
         """Release every connection; idempotent."""
@@ -202,12 +207,19 @@ class TensorClient:
     async def request(self, method: str, url: str, path: str = "", payload: Payload = None, *,
                       codec: CodecChoice = None, content_format: int | None = None,
                       query: Mapping[str, str] | None = None, timeout: float | None = None,
-                      retries: int | None = None, raise_for_status: bool = True) -> Response:
+                      retries: int | None = None, raise_for_status: bool = True,
+                      pieces: PieceOptions | None = None) -> Response:
         """Send one request to ``url`` + ``path`` and return the response.
 
         ``payload`` may be an :class:`Envelope` (encoded with ``codec``, Content-Format
-        60) or raw bytes. Error codes raise unless ``raise_for_status=False``.
+        60) or raw bytes. Error codes raise unless ``raise_for_status=False``. With ``pieces``
+        an envelope larger than a piece goes in pieces, and an answer in pieces is fetched whole
+        (docs/PROTOCOL.md §12).
         """
+        if pieces is not None:
+            timeout, retries = self._attempt_limits(timeout, retries)
+            return await request_in_pieces(self, method, url, path, payload, pieces, timeout, retries,
+                                           raise_for_status, codec=codec, content_format=content_format)
         a = self._attempts_of(method, url, path, payload, codec, content_format, timeout, retries, raise_for_status)
         if not query and self._loop is asyncio.get_running_loop():
             lean = self._lean_head(a)
@@ -221,7 +233,7 @@ class TensorClient:
 
     def submit(self, method: str, url: str, path: str = "", payload: Payload = None, *,
                codec: CodecChoice = None, content_format: int | None = None, timeout: float | None = None,
-               retries: int | None = None) -> concurrent.futures.Future[Response]:
+               retries: int | None = None, pieces: PieceOptions | None = None) -> concurrent.futures.Future[Response]:
         """Send a request from any thread without waiting for it: a future of its response (an error
         code is raised from it, as by :meth:`request`).
 
@@ -233,6 +245,13 @@ class TensorClient:
         written = self._written
         if self._loop is None or written is None:
             raise RuntimeError("start the client on its loop before submitting to it")
+        if pieces is not None:  # several requests in turn: a task on the loop
+            future = asyncio.run_coroutine_threadsafe(self.request(
+                method, url, path, payload, codec=codec, content_format=content_format, timeout=timeout,
+                retries=retries, pieces=pieces), self._loop)
+            self._in_pieces.add(future)
+            future.add_done_callback(self._in_pieces.discard)
+            return future
         attempts = self._attempts_of(method, url, path, payload, codec, content_format, timeout, retries)
         submission = Submission(self, attempts)
         lean = self._lean_head(attempts)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from aiocoap import Message
 from aiocoap.numbers.codes import Code
@@ -34,6 +36,15 @@ class Request:
     identity: PeerIdentity | None = None
     """The peer's verified identity (TLS only)."""
     envelope: Envelope | None = None
+    stored: Path | None = None
+    """Where a body that arrived in pieces into a file is (kept there once the handler returns)."""
+    sink: Any = None
+    """The sink of a body that arrived in pieces: committed once the handler returns, aborted if it raises."""
+
+    @property
+    def sender(self) -> str:
+        """Who sent it, as a key: the name its credential proves (TLS, OSCORE), else its address."""
+        return self.identity.name if self.identity is not None else self.peer
 
 
 @dataclass
@@ -44,6 +55,11 @@ class Response:
     payload: bytes | bytearray = b""
     content_format: int | None = None
     size1: int | None = None
+    body_limits: Limits | None = None
+    """Set on a body fetched in pieces (transport/pieces.py): the limits it is decoded with, its size being
+    bounded already by the request's ``max_body``."""
+    stored: Path | None = None
+    """Set on a body fetched in pieces into a file: where it is."""
 
     @classmethod
     def of(cls, env: Envelope, codec: str | Codec | None = None, code: Code = Code.CONTENT) -> Response:
@@ -85,7 +101,7 @@ class Response:
         self.raise_for_status()
         if self.content_format not in (None, CONTENT_FORMAT):
             raise MalformedMessage(f"response has Content-Format {self.content_format}, not {CONTENT_FORMAT}")
-        return decode_envelope(self.payload, limits)
+        return decode_envelope(self.payload, self.body_limits or limits)
 
     def raise_for_status(self) -> Response:
         """Raise the matching :class:`ResponseError` for a 4.xx/5.xx code; return self otherwise."""
