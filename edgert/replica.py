@@ -14,6 +14,7 @@ names, with the origin its transport authenticated (docs/SECURITY.md, "Replicas"
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgert.errors import EdgertError, ReplicaStoreFull
@@ -42,7 +43,19 @@ class CopyStore:
         self.keep_versions = keep_versions
         self.max_peer_bytes = max_peer_bytes
         self._copies: dict[tuple[int, int], tuple[StageState, str]] = {}
+        self._reserved = 0  # bytes of copies from peers still arriving (in pieces)
         self._lock = threading.Lock()
+
+    def reserve(self, size: int) -> Callable[[], None]:
+        """Hold ``size`` bytes of room for a copy arriving in pieces; returns what gives them back."""
+        with self._lock:
+            self._reserved += size
+
+        def release() -> None:
+            with self._lock:
+                self._reserved -= size
+
+        return release
 
     def put(self, state: StageState, origin: str) -> None:
         """Keep ``state`` (taken after ``state.step``, of stage ``state.stage``) sent by ``origin``; the oldest
@@ -65,7 +78,8 @@ class CopyStore:
     def room(self) -> int:
         """Bytes of copies from peers this store still takes."""
         with self._lock:
-            return self.max_peer_bytes - sum(s.bytes for s, o in self._copies.values() if o != SELF_ORIGIN)
+            return self.max_peer_bytes - self._reserved - sum(
+                s.bytes for s, o in self._copies.values() if o != SELF_ORIGIN)
 
     def get(self, step: int, names: list[str]) -> StageState:
         """The named parameters (and their optimizer state) as they were after ``step``."""

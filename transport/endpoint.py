@@ -222,7 +222,7 @@ class Endpoint(resource.Resource):
         if self.kinds is not None and piece.of not in self.kinds:
             raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
                              f"got pieces of {piece.of!r}")
-        incoming = self.server.transfers.receive(request.sender, piece, self.pieces)
+        incoming = self.server.transfers.receive(request.sender, piece, lambda first: self.pieces(request, first))
         if incoming is None:
             return None
         body = incoming.sink.finish()

@@ -21,6 +21,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -219,12 +220,19 @@ class Sink(Protocol):
 
 
 class MemorySink:
-    """A body in memory: one buffer of the declared size (pages are touched, so resident, only as pieces land)."""
+    """A body in memory: one buffer of the declared size (pages are touched, so resident, only as pieces land);
+    ``on_close`` runs once, when the body is kept or dropped (to give back what its admission reserved)."""
 
     path = None
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, on_close: Callable[[], None] | None = None):
         self._buffer: np.ndarray | None = np.empty(size, np.uint8)
+        self._on_close = on_close
+
+    def _close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     def write(self, offset: int, data: memoryview) -> None:
         self._buffer[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
@@ -233,21 +241,25 @@ class MemorySink:
         return memoryview(self._buffer)
 
     def commit(self) -> None:
-        pass
+        self._close()
 
     def abort(self) -> None:
         self._buffer = None
+        self._close()
 
 
 class FileSink:
     """A body written to ``path`` as it arrives: to ``path``.partial, renamed by :meth:`commit` (after the digest
-    matched and the receiver took it); :meth:`finish` maps the file read-only, so what is decoded from it
-    lives in the page cache, not in the heap."""
+    matched and the receiver took it; with ``keep=False`` removed instead: a body only read once);
+    :meth:`finish` maps the file read-only, so what is decoded from it lives in the page cache, not in the
+    heap."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep: bool = True):
         self.path = Path(path)
+        self._keep = keep
+        self._committed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._partial = self.path.with_name(self.path.name + ".partial")
+        self._partial = self.path.with_name(f"{self.path.name}.{secrets.token_hex(4)}.partial")  # one per transfer
         self._file = open(self._partial, "wb")  # noqa: SIM115 - closed by finish/abort
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -258,11 +270,19 @@ class FileSink:
         return map_file(self._partial)
 
     def commit(self) -> None:
-        os.replace(self._partial, self.path)
+        """Idempotent: a receiver that needs the file in place before it answers commits it itself."""
+        if self._committed:
+            return
+        self._committed = True
+        if self._keep:
+            os.replace(self._partial, self.path)
+        else:
+            self._partial.unlink(missing_ok=True)
 
     def abort(self) -> None:
         self._file.close()
-        self._partial.unlink(missing_ok=True)
+        if not self._committed:
+            self._partial.unlink(missing_ok=True)
 
 
 def map_file(path: Path) -> memoryview:

@@ -45,9 +45,10 @@ from edgert.transport.pieces import (
 if TYPE_CHECKING:
     from edgert.transport.client import TensorClient
 
-Admission = Callable[[Piece], Sink]
-"""A resource's admission of a body in pieces: given the first piece (the body's header and declared size),
-where the body goes, or a :class:`ResponseError` refusing it."""
+Admission = Callable[[Any, Piece], Sink]
+"""A resource's admission of a body in pieces: given the request that brought the first piece (who sent it)
+and that piece (the body's header and declared size), where the body goes, or a :class:`ResponseError`
+refusing it."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Transfers:
 
     # -- bodies arriving -----------------------------------------------------------------------------
 
-    def receive(self, peer: str, piece: Piece, admit: Admission) -> Incoming | None:
+    def receive(self, peer: str, piece: Piece, admit: Callable[[Piece], Sink]) -> Incoming | None:
         """Take ``piece`` of a body ``peer`` pushes: the transfer once its body is complete and verified (its
         sink finished: commit or abort it), else None. A refused piece ends its transfer (nothing kept)."""
         key = (peer, piece.transfer)
