@@ -218,10 +218,14 @@ class Endpoint(resource.Resource):
         makes (decoded, its kind checked), else None."""
         if self.pieces is None:
             raise BadRequest(f"{request.method} /{self.path} takes no body in pieces")
-        piece = read_piece(request.envelope)
-        if self.kinds is not None and piece.of not in self.kinds:
-            raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
-                             f"got pieces of {piece.of!r}")
+        try:
+            piece = read_piece(request.envelope)
+            if self.kinds is not None and piece.of not in self.kinds:
+                raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
+                                 f"got pieces of {piece.of!r}")
+        except ResponseError:  # a bad piece ends the transfer it names
+            self.server.transfers.drop(request.sender, request.envelope.meta.get("transfer"))
+            raise
         incoming = self.server.transfers.receive(request.sender, piece, lambda first: self.pieces(request, first))
         if incoming is None:
             return None

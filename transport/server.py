@@ -151,7 +151,7 @@ class TensorServer:
     def links(self) -> list[linkformat.Link]:
         """The link-format entries of all resources (what ``/.well-known/core`` serves)."""
         return [endpoint.link() for key, endpoint in sorted(self._endpoints.items())
-                if endpoint.path != WELL_KNOWN_CORE]
+                if endpoint.path not in (WELL_KNOWN_CORE, PIECE_PATH)]  # the transport's own, on every server
 
     def _next_piece(self, request: Request) -> Response:
         """``FETCH /piece``: the next piece of a body this server answers in pieces to the requester."""

@@ -108,6 +108,11 @@ class Transfers:
         self._incoming[key] = (incoming, _timer(self._limits.frame_timeout, self._drop_incoming, key))
         return None
 
+    def drop(self, peer: str, transfer: Any) -> None:
+        """End ``peer``'s transfer ``transfer`` arriving here, if there is one (one of its pieces was refused)."""
+        if isinstance(transfer, int):
+            self._drop_incoming((peer, transfer))
+
     def _drop_incoming(self, key: tuple[str, int]) -> None:
         entry = self._incoming.pop(key, None)
         if entry is not None:
@@ -228,12 +233,19 @@ def _continued(response: Response, url: str, path: str) -> None:
 
 async def _pulled(client: TensorClient, url: str, response: Response, options: PieceOptions, timeout: float,
                   retries: int, raise_for_status: bool) -> Response:
-    """``response``, or (it is the first piece of a body) the whole body fetched from ``FETCH /piece``."""
+    """``response``, or (it is the first piece of a body) the whole body fetched from ``FETCH /piece``; either
+    way in ``options.sink`` when one is given (a file, say)."""
     if not response.ok or response.content_format != CONTENT_FORMAT or not response.payload:
         return response
     envelope = response.envelope(client.limits)
     if envelope.kind != PIECE_KIND:
-        return response
+        if options.sink is None:
+            return response
+        sink = options.sink(len(response.payload))  # a body that came whole goes where its pieces would have
+        sink.write(0, memoryview(response.payload))
+        body = sink.finish()
+        sink.commit()
+        return Response(response.code, body, CONTENT_FORMAT, stored=getattr(sink, "path", None))
     first = _piece(envelope, url)
     if first.offset != 0:
         raise MalformedMessage(f"{url}: a body in pieces began at byte {first.offset}, not 0")
