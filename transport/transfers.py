@@ -252,26 +252,28 @@ async def _pulled(client: TensorClient, url: str, response: Response, options: P
     if first.size > options.max_body:
         raise TooLarge(f"{url}: the response is a body of {first.size} bytes; this request takes at most "
                        f"{options.max_body}", size1=options.max_body)
-    sink = (options.sink or MemorySink)(first.size)
-    incoming = Incoming(first.transfer, first.size, first.of, sink)
+    transfer, size, step = first.transfer, first.size, len(first.data)
+    sink = (options.sink or MemorySink)(size)
+    incoming = Incoming(transfer, size, first.of, sink)
     pending: collections.deque[asyncio.Future] = collections.deque()
 
     async def fetch(offset: int) -> Piece:
-        piece = await client.request("FETCH", url, PIECE_PATH, piece_request(first.transfer, offset),
+        piece = await client.request("FETCH", url, PIECE_PATH, piece_request(transfer, offset),
                                      timeout=timeout, retries=retries)
         return _piece(piece.envelope(client.limits), url)
 
     try:
         done = _accept(incoming, first, url)
-        step = len(first.data)
-        for offset in range(step, first.size, step) if not done else ():
+        code = response.code
+        del first, envelope, response  # the first piece is in the sink: its message goes
+        for offset in range(step, size, step) if not done else ():
             if len(pending) >= IN_FLIGHT:
                 done = _accept(incoming, await pending.popleft(), url)
             pending.append(asyncio.ensure_future(fetch(offset)))
         while pending:
             done = _accept(incoming, await pending.popleft(), url)
         if not done:
-            raise MalformedMessage(f"{url}: the body in pieces ended at byte {incoming.received} of {first.size}")
+            raise MalformedMessage(f"{url}: the body in pieces ended at byte {incoming.received} of {size}")
         body = sink.finish()
     except BaseException:
         for future in pending:
@@ -279,7 +281,7 @@ async def _pulled(client: TensorClient, url: str, response: Response, options: P
         sink.abort()
         raise
     sink.commit()
-    return Response(response.code, body, CONTENT_FORMAT, body_limits=stream_limits(first.size, client.limits),
+    return Response(code, body, CONTENT_FORMAT, body_limits=stream_limits(size, client.limits),
                     stored=getattr(sink, "path", None))
 
 
