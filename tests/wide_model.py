@@ -30,5 +30,6 @@ def wide_mlp(path: Path, width: int = WIDTH, layers: int = LAYERS, seed: int = 0
             x = b.op("Relu", [linear(b, x, "linear", width, width, relu_follows=True)])
     with b.block("head"):
         logits = linear(b, x, "linear", width, SPEC.num_classes, relu_follows=False, output=SPEC.output_name)
-    save_model(b.model(logits, "float32", ["N", SPEC.num_classes], SPEC.metadata(seed)), path)
+    metadata = {key: value for key, value in SPEC.metadata(seed).items() if key != "edgert.model"}  # not the zoo's
+    save_model(b.model(logits, "float32", ["N", SPEC.num_classes], metadata), path)
     return path
