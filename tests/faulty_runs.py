@@ -81,7 +81,7 @@ def train_through_faults(plan: Path, data: Path, workers: int, run: FaultyRun, f
     assert not list(out.rglob("*.partial")), "a transfer left a partial file behind"
 
     merged = folder / "merged.onnx"
-    done = subprocess.run([sys.executable, "-m", "edgert", "merge", str(out), str(merged)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "edgert", "merge", str(out), "-o", str(merged)], capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     check_merged(merged, checkpoint, data, tail)

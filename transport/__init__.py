@@ -4,8 +4,8 @@ Map of the package (wire format: docs/PROTOCOL.md):
 
 - ``envelope.py``     :class:`Envelope`, :func:`encode_envelope`, :func:`decode_envelope`: the message
 - ``tensor.py``       RFC 8746 typed arrays in tag 40: zero-copy tensor encode/decode, dtype table
-- ``pieces.py``       bodies in pieces: the ``piece`` format, :class:`Outgoing` / :class:`Incoming`, memory and file sinks
-- ``transfers.py``    :class:`Transfers` (a server's bodies in pieces, bounded), :class:`PieceOptions`, the client's loops
+- ``pieces.py``       bodies in pieces: the ``piece`` format, :class:`Outgoing`, :class:`Incoming`, the sinks
+- ``transfers.py``    :class:`Transfers` (a server's bodies in pieces, bounded), :class:`PieceOptions`, sends
 - ``codec.py``        compression codecs ``none``/``fp16``/``int8``/``int4``/``topk``, :func:`get_codec`
 - ``cbor.py``         the CBOR subset (zero-copy byte strings, strict limits) under both of the above
 - ``limits.py``       :class:`Limits`: declared size and structure caps (4.13 / 4.00), connection limits

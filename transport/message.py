@@ -119,6 +119,15 @@ def _encoded_options(content_format: int | None, size1: int | None) -> bytes:
     return Response(content_format=content_format, size1=size1).to_message().opt.encode()
 
 
+def method_code(method: str) -> Code:
+    """The CoAP code of a request method's name (``"PUT"``: 0.03)."""
+    code = {"GET": Code.GET, "POST": Code.POST, "PUT": Code.PUT, "DELETE": Code.DELETE,
+            "FETCH": Code.FETCH}.get(method.upper() if isinstance(method, str) else method)
+    if code is None:
+        raise ValueError(f"unsupported method {method!r} (GET, POST, PUT, DELETE, FETCH)")
+    return code
+
+
 def error_response(error: ResponseError) -> Response:
     """The response an error is sent as."""
     message = error.to_message()

@@ -23,7 +23,16 @@ from edgert.coordinator.errors import AssignmentError
 from edgert.exporter.device_plan import PLACEMENT_NAME, load_placement
 from edgert.groups import StageGroup
 from edgert.manifest import Manifest, TrainingConfig
-from edgert.protocol import ASSIGNMENT_PIECES, MIGRATE, SELF, STAGE, MigrateRequest, MigrationSource, Peers, StageAssignment
+from edgert.protocol import (
+    ASSIGNMENT_PIECES,
+    MIGRATE,
+    SELF,
+    STAGE,
+    MigrateRequest,
+    MigrationSource,
+    Peers,
+    StageAssignment,
+)
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.transport import TensorClient, TransportError

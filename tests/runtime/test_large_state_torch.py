@@ -149,7 +149,7 @@ def test_a_transformer_of_100m_parameters_in_4_stages_checkpoints_and_merges(tmp
     checkpoint = out / "checkpoints" / "latest"
     assert sum(p.stat().st_size for p in checkpoint.glob("stage*.cbor")) > 1.1e9  # 100M x (weights + 2 Adam)
     merged = tmp_path / "merged.onnx"
-    done = subprocess.run([sys.executable, "-m", "edgert", "merge", str(out), str(merged)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "edgert", "merge", str(out), "-o", str(merged)], capture_output=True,
                           text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     tail = MetricsTail(out)
