@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from edgert.bench.harness import Column, Target, option, result, table, target_lines
-from edgert.bench.transport import parse_size, size_text
+from edgert.bench.transport import RawSink, parse_size, size_text
 from edgert.transport import ClientConfig, Envelope, PieceOptions, Request, TensorClient, TensorServer
 from edgert.transport.envelope import encode_envelope_parts
 from edgert.transport.limits import MiB
@@ -81,33 +81,12 @@ def _server_main(conn, size: int) -> None:
     asyncio.run(_serve(conn, size))
 
 
-class _RawStateSink(asyncio.BufferedProtocol):
-    """8-byte length, then the bytes straight into one buffer of that size (``np.empty``, as a piece sink's),
-    acknowledged with 8 bytes."""
+class _RawStateSink(RawSink):
+    """The raw-TCP baseline's server (8-byte length, the bytes straight into one buffer, 8 bytes back), its
+    buffer an ``np.empty`` as a piece sink's (pages touched only as bytes land)."""
 
-    def __init__(self) -> None:
-        self._head = bytearray(8)
-        self._buffer: Any = self._head
-        self._filled = 0
-        self._size: int | None = None
-        self._transport: Any = None
-
-    def connection_made(self, transport: Any) -> None:
-        self._transport = transport
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self._buffer)[self._filled:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._filled += nbytes
-        if self._filled < len(self._buffer):
-            return
-        if self._size is None:
-            self._size = int.from_bytes(self._head, "big")
-            self._buffer, self._filled = np.empty(self._size, np.uint8), 0
-            return
-        self._transport.write(self._size.to_bytes(8, "big"))
-        self._buffer, self._filled, self._size = self._head, 0, None
+    def allocate(self, size: int) -> np.ndarray:
+        return np.empty(size, np.uint8)
 
 
 async def _serve(conn, size: int) -> None:

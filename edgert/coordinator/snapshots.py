@@ -24,7 +24,7 @@ from pathlib import Path
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.protocol import REPLICA, SELF, MigrateRequest, MigrationSource
-from edgert.replica import SELF_ORIGIN, Holding, holdings_from_meta
+from edgert.replica import SELF_ORIGIN, Holding, holdings_from_meta, picked
 from edgert.transport import TensorClient, TransportError
 from edgert.weights import StageState, load_state, save_state
 
@@ -139,22 +139,12 @@ class CentralCopies:
         return [held for _, held in sorted(self._held.items())]
 
     def get(self, step: int, names: list[str]) -> StageState:
-        """The named parameters (and their optimizer state) as they were after ``step``, read from disk."""
-        found: dict = {}
-        optimizer: dict = {}
-        for (held_step, stage), held in sorted(self._held.items()):
-            wanted = [n for n in names if n in held.names and n not in found] if held_step == step else []
-            if not wanted:
-                continue
-            state = load_state(self.path(step, stage))
-            for name in wanted:
-                found[name] = state.parameters[name]
-                if name in state.optimizer:
-                    optimizer[name] = state.optimizer[name]
-        missing = [n for n in names if n not in found]
-        if missing:
-            raise EdgertError(f"no copy after step {step} of {', '.join(missing[:5])} here")
-        return StageState(parameters=found, optimizer=optimizer, step=step)
+        """The named parameters (and their optimizer state) as they were after ``step``, read from disk (only the
+        files that hold some of them)."""
+        wanted = set(names)
+        files = [self.path(step, stage) for (held_step, stage), held in sorted(self._held.items())
+                 if held_step == step and wanted & set(held.names)]
+        return picked((load_state(path) for path in files), names, step)
 
     def snapshot(self, step: int, stages: int) -> list[StageState]:
         """Every stage's copy after ``step``, in stage order (the snapshot must be complete), mapped from disk."""
