@@ -187,12 +187,12 @@ async def request_in_pieces(client: TensorClient, method: str, url: str, path: s
     encoding is over ``options.piece_bytes``, and a response in pieces fetched whole."""
     if isinstance(payload, Envelope):
         parts = encode_envelope_parts(payload)
-        if sum(map(len, parts)) > options.piece_bytes:
-            response = await _push(client, method, url, path, payload, parts, options, timeout, retries)
-            return await _pulled(client, url, response, options, timeout, retries, raise_for_status)
-    response = await client.request(method, url, path, payload, timeout=timeout, retries=retries,
-                                    raise_for_status=raise_for_status, **kwargs)
-    return await _pulled(client, url, response, options, timeout, retries, raise_for_status)
+        if sum(map(len, parts)) > options.piece_bytes:  # (the first answer is handed on, not held here)
+            return await _pulled(client, url, await _push(client, method, url, path, payload, parts, options, timeout,
+                                                          retries), options, timeout, retries, raise_for_status)
+    return await _pulled(client, url, await client.request(method, url, path, payload, timeout=timeout,
+                                                           retries=retries, raise_for_status=raise_for_status,
+                                                           **kwargs), options, timeout, retries, raise_for_status)
 
 
 async def _push(client: TensorClient, method: str, url: str, path: str, body: Envelope, parts: list,
