@@ -27,7 +27,6 @@ from edgert.transport.envelope import (
     CONTENT_FORMAT,
     Envelope,
     decode_envelope,
-    encode_envelope,
     encode_envelope_parts,
 )
 from edgert.transport.errors import (
@@ -250,7 +249,7 @@ class Endpoint(resource.Resource):
             parts = encode_envelope_parts(result)
             if self.piece_answers and request is not None and sum(map(len, parts)) > PIECE_BYTES:
                 first = self.server.transfers.answer(request.sender, result, parts)
-                return Response(default, encode_envelope(first), CONTENT_FORMAT)
+                return Response(default, content_format=CONTENT_FORMAT, parts=tuple(encode_envelope_parts(first)))
             return Response(default, b"".join(parts), CONTENT_FORMAT)
         if result is None:
             return Response(default)

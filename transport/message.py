@@ -60,6 +60,9 @@ class Response:
     bounded already by the request's ``max_body``."""
     stored: Path | None = None
     """Set on a body fetched in pieces into a file: where it is."""
+    parts: tuple | None = None
+    """A server's answer written from these consecutive buffers instead of ``payload`` (a piece of a state:
+    its data straight from the arrays, transport/pieces.py)."""
 
     @classmethod
     def of(cls, env: Envelope, codec: str | Codec | None = None, code: Code = Code.CONTENT) -> Response:
@@ -79,7 +82,7 @@ class Response:
 
     def to_message(self) -> Message:
         """The aiocoap message to send."""
-        message = Message(code=self.code, payload=self.payload)
+        message = Message(code=self.code, payload=self.payload if self.parts is None else b"".join(self.parts))
         if self.content_format is not None:
             message.opt.content_format = self.content_format
         if self.size1 is not None:

@@ -44,7 +44,7 @@ from aiocoap.transports.udp6 import MessageInterfaceUDP6
 from edgert.transport import coap_tcp, coap_tcp_pool, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.endpoint import Answer, Endpoint, Handler, HandlerResult, ObservableEndpoint
-from edgert.transport.envelope import CONTENT_FORMAT, encode_envelope
+from edgert.transport.envelope import CONTENT_FORMAT, encode_envelope_parts
 from edgert.transport.errors import (
     NotFound,
     ResponseError,
@@ -157,7 +157,7 @@ class TensorServer:
         """``FETCH /piece``: the next piece of a body this server answers in pieces to the requester."""
         transfer, offset = read_piece_request(request.envelope)
         piece = self.transfers.next_piece(request.sender, transfer, offset)
-        return Response(payload=encode_envelope(piece), content_format=CONTENT_FORMAT)
+        return Response(content_format=CONTENT_FORMAT, parts=tuple(encode_envelope_parts(piece)))
 
     async def _well_known_core(self, request: Request) -> Response:
         filters = dict(request.query)
@@ -398,6 +398,9 @@ def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
 def _answer(connection: coap_tcp.LargeTcpConnection, request: IncomingMessage, response: Answer) -> None:
     """Send ``response`` to ``request`` (a diagnostic too large for the peer is shortened to fit)."""
     try:
+        if isinstance(response, Response) and response.parts is not None:
+            connection.send_frame(response.code, request.token, response.options, response.parts)
+            return
         if isinstance(response, Response) and len(response.payload) <= connection.maximum_payload_size:
             connection.send_frame(response.code, request.token, response.options, response.payload)
             return
