@@ -11,19 +11,18 @@ Files are written from the arrays as they are and read back mapped, never as one
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from collections.abc import Callable, Iterable
-
 from edgert.errors import EdgertError, FileFormatError
 from edgert.manifest import ParameterInfo
 from edgert.optimizer import StateDict
 from edgert.transport import Envelope, ResponseError, decode_envelope, encode_envelope_parts
-from edgert.transport.limits import DEFAULT_LIMITS, Limits
-from edgert.transport.pieces import FileSink, Sink, map_file, stream_limits
+from edgert.transport.limits import Limits
+from edgert.transport.pieces import FileSink, Sink, map_file
 from edgert.transport.transfers import PieceOptions
 
 KIND = "weights"
@@ -118,7 +117,3 @@ def state_pieces(max_body: int, into: Path | None = None) -> PieceOptions:
     sink: Callable[[int], Sink] | None = None if into is None else (lambda size: FileSink(into))
     return PieceOptions(max_body=max_body, sink=sink)
 
-
-def state_limits(size: int) -> Limits:
-    """Limits to decode a state of ``size`` bytes received in pieces."""
-    return stream_limits(size, DEFAULT_LIMITS)

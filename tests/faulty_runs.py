@@ -5,6 +5,7 @@ large-state tests run on their models (tests/runtime/test_large_state*.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,8 +58,10 @@ def train_through_faults(plan: Path, data: Path, workers: int, run: FaultyRun, f
         coordinator.send_signal(signal.SIGKILL)  # and of the coordinator
         coordinator.wait(10)
         survivors = [url for url in cluster.urls if url != victim]
-        resumed = _run(["train", "--resume", str(out), "--workers", ",".join(survivors), "--json", *common[:1]],
-                       folder, "resumed", stdout=subprocess.PIPE)
+        devices = folder / "devices.json"  # the first run's profile of the same workers: not measured again
+        shutil.copyfile(out / "devices.json", devices)
+        resumed = _run(["train", "--resume", str(out), "--workers", ",".join(survivors), "--devices", str(devices),
+                        "--json", *common[:1]], folder, "resumed", stdout=subprocess.PIPE)
         processes.append(resumed)
         stdout, _ = resumed.communicate(timeout=1800)
     finally:

@@ -22,6 +22,7 @@ import numpy as np
 
 from edgert.chain import StageChain
 from edgert.checkpoint import CheckpointInfo, save_checkpoint_info
+from edgert.coordinator.inputs import stage_state_bound
 from edgert.coordinator.progress import Progress
 from edgert.coordinator.run_state import RunState
 from edgert.coordinator.runlog import RunLog
@@ -31,7 +32,6 @@ from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.models.datasets import Dataset
 from edgert.protocol import WEIGHTS
 from edgert.transport import TensorClient, deadline
-from edgert.coordinator.inputs import stage_state_bound
 from edgert.weights import StageState, load_state, save_state, state_pieces
 
 SNAPSHOT_WAIT_S = 30.0  # how long the end of a segment waits for the copies of its epoch ends

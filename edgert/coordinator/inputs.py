@@ -16,12 +16,12 @@ them (docs/SECURITY.md, "Requests the coordinator refuses"):
 
 from __future__ import annotations
 
-from edgert.protocol import StageReports, WeightsQuery, read_request
 from edgert.manifest import Manifest
 from edgert.optimizer import make_optimizer
-from edgert.weights import state_bytes_bound
+from edgert.protocol import StageReports, WeightsQuery, read_request
 from edgert.transport import BadRequest, Envelope, Request, TooLarge
 from edgert.transport.errors import Forbidden
+from edgert.weights import state_bytes_bound
 
 
 def check_run(envelope: Envelope, run_id: str, what: str) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from edgert.errors import EdgertError, ReplicaStoreFull
+from edgert.optimizer import make_optimizer
 from edgert.protocol import (
     MIGRATE,
     REPLICA,
@@ -31,8 +32,14 @@ from edgert.protocol import (
     WeightsQuery,
     read_request,
 )
-from edgert.replica import DEFAULT_MAX_PEER_BYTES, KEEP_VERSIONS, SELF_ORIGIN, CopyStore, held_stages, holdings_to_meta
-from edgert.optimizer import make_optimizer
+from edgert.replica import (
+    DEFAULT_MAX_PEER_BYTES,
+    KEEP_VERSIONS,
+    SELF_ORIGIN,
+    CopyStore,
+    held_stages,
+    holdings_to_meta,
+)
 from edgert.stage import StageSession
 from edgert.transport import (
     BadRequest,
