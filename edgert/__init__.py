@@ -11,7 +11,7 @@ Map of the package (the folder layout is the architecture; tests/test_architectu
   - ``stage.py``          :class:`StageSession`: one stage's forward/backward/step on stock onnxruntime
   - ``chain.py``          all stages of a plan chained in one process: the reference a run must match
   - ``optimizer.py``      AdamW / SGD with optimizer state readable and writable by name
-  - ``weights.py``        :class:`StageState`: a stage's state as one message / file
+  - ``weights.py``        :class:`StageState`: a stage's state as one envelope / file, its bound, moved in pieces
   - ``replica.py``        copies of stage states kept for recovery, with their byte budgets
   - ``checkpoint.py``     :class:`CheckpointInfo`: a checkpoint folder's ``checkpoint.json``
   - ``devices.py``        ``devices.json``: what each device measured (docs/DEVICES.md)

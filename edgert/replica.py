@@ -14,6 +14,7 @@ names, with the origin its transport authenticated (docs/SECURITY.md, "Replicas"
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from edgert.errors import EdgertError, ReplicaStoreFull
@@ -42,7 +43,19 @@ class CopyStore:
         self.keep_versions = keep_versions
         self.max_peer_bytes = max_peer_bytes
         self._copies: dict[tuple[int, int], tuple[StageState, str]] = {}
+        self._reserved = 0  # bytes of copies from peers still arriving (in pieces)
         self._lock = threading.Lock()
+
+    def reserve(self, size: int) -> Callable[[], None]:
+        """Hold ``size`` bytes of room for a copy arriving in pieces; returns what gives them back."""
+        with self._lock:
+            self._reserved += size
+
+        def release() -> None:
+            with self._lock:
+                self._reserved -= size
+
+        return release
 
     def put(self, state: StageState, origin: str) -> None:
         """Keep ``state`` (taken after ``state.step``, of stage ``state.stage``) sent by ``origin``; the oldest
@@ -65,24 +78,14 @@ class CopyStore:
     def room(self) -> int:
         """Bytes of copies from peers this store still takes."""
         with self._lock:
-            return self.max_peer_bytes - sum(s.bytes for s, o in self._copies.values() if o != SELF_ORIGIN)
+            return self.max_peer_bytes - self._reserved - sum(
+                s.bytes for s, o in self._copies.values() if o != SELF_ORIGIN)
 
     def get(self, step: int, names: list[str]) -> StageState:
         """The named parameters (and their optimizer state) as they were after ``step``."""
         with self._lock:
             copies = [s for (s_step, _), (s, _) in self._copies.items() if s_step == step]
-        found: dict = {}
-        optimizer: dict = {}
-        for state in copies:
-            for name in names:
-                if name in state.parameters and name not in found:
-                    found[name] = state.parameters[name]
-                    if name in state.optimizer:
-                        optimizer[name] = state.optimizer[name]
-        missing = [n for n in names if n not in found]
-        if missing:
-            raise EdgertError(f"no copy after step {step} of {', '.join(missing[:5])} here")
-        return StageState(parameters=found, optimizer=optimizer, step=step)
+        return picked(copies, names, step)
 
     def state(self, step: int, stage: int) -> StageState:
         """The copy of ``stage`` after ``step``."""
@@ -100,6 +103,23 @@ class CopyStore:
     def clear(self) -> None:
         with self._lock:
             self._copies.clear()
+
+
+def picked(copies: Iterable[StageState], names: list[str], step: int) -> StageState:
+    """The named parameters (and their optimizer state) from ``copies`` (states after ``step``), each from the
+    first copy that has it; every name must be somewhere."""
+    found: dict = {}
+    optimizer: dict = {}
+    for state in copies:
+        for name in names:
+            if name in state.parameters and name not in found:
+                found[name] = state.parameters[name]
+                if name in state.optimizer:
+                    optimizer[name] = state.optimizer[name]
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise EdgertError(f"no copy after step {step} of {', '.join(missing[:5])} here")
+    return StageState(parameters=found, optimizer=optimizer, step=step)
 
 
 def held_stages(stage: int, stages: int, replicas: int) -> set[int]:

@@ -1,28 +1,37 @@
-"""A stage's state as one message: parameters, running statistics and optimizer state.
+"""A stage's state as one envelope: parameters, running statistics and optimizer state.
 
 The same envelope serves the ``/weights`` resource of a worker, replication between
 workers, and the checkpoint files the coordinator keeps on disk (``stage<k>.cbor``), so
 there is one format for all of them (docs/PROTOCOL.md, docs/RUNS.md). Optimizer state is
 stored as tensors named ``<parameter>#<buffer>`` (``conv.weight#exp_avg``,
-``conv.weight#step``).
+``conv.weight#step``). Over the network a state larger than a piece travels in pieces
+(docs/PROTOCOL.md §12): :func:`state_pieces` says how, bounded by :func:`state_bytes_bound`.
+Files are written from the arrays as they are and read back mapped, never as one more copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from edgert.errors import EdgertError, FileFormatError
+from edgert.manifest import ParameterInfo
 from edgert.optimizer import StateDict
-from edgert.transport import Envelope, ResponseError, decode_envelope, encode_envelope
+from edgert.transport import Envelope, ResponseError, decode_envelope, encode_envelope_parts
 from edgert.transport.limits import Limits
+from edgert.transport.pieces import FileSink, Sink, map_file
+from edgert.transport.transfers import PieceOptions
 
 KIND = "weights"
 SEPARATOR = "#"
 # Checkpoints hold whole stages; they may be much larger than one activation message.
-FILE_LIMITS = Limits(max_payload_bytes=1 << 34, max_tensor_bytes=1 << 33, max_decoded_bytes=1 << 34)
+FILE_LIMITS = Limits(max_payload_bytes=1 << 40, max_tensor_bytes=1 << 40, max_decoded_bytes=1 << 40,
+                     max_tensors=65536)
+ENCODING_SLACK = 4096  # bytes an envelope adds to its state: its header, and per tensor its name and heads
+PER_TENSOR_SLACK = 512
 
 
 @dataclass
@@ -62,22 +71,49 @@ class StageState:
 
 
 def save_state(state: StageState, path: Path, run_id: str = "") -> int:
-    """Write ``state`` as one CBOR envelope; returns the bytes written. Atomic (rename)."""
+    """Write ``state`` as one CBOR envelope, straight from its arrays; returns the bytes written. Atomic
+    (rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = encode_envelope(state.to_envelope(run_id))
     partial = path.with_suffix(path.suffix + ".partial")
-    partial.write_bytes(data)
+    written = 0
+    with open(partial, "wb") as file:
+        for part in encode_envelope_parts(state.to_envelope(run_id)):
+            written += file.write(part)
     partial.replace(path)
-    return len(data)
+    return written
 
 
 def load_state(path: Path) -> StageState:
-    """Read a stage state written by :func:`save_state`; a damaged file is a FileFormatError naming it."""
+    """Read a stage state written by :func:`save_state` (or received into a file in pieces), mapped: its arrays
+    are read-only views of the file; a damaged file is a FileFormatError naming it."""
     if not path.is_file():
         raise FileFormatError(f"{path}: no such checkpoint file")
     try:
-        return StageState.from_envelope(decode_envelope(path.read_bytes(), FILE_LIMITS))
+        return StageState.from_envelope(decode_envelope(map_file(path), FILE_LIMITS))
     except ResponseError as error:  # what the decoder says of a bad message, without its CoAP code
         raise FileFormatError(f"{path}: damaged stage state: {error.diagnostic}") from None
     except EdgertError as error:
         raise FileFormatError(f"{path}: {error}") from None
+
+
+def state_bytes_bound(parameters: Iterable[ParameterInfo], buffers: Iterable[str]) -> int:
+    """The most bytes a stage state of ``parameters`` takes encoded: each parameter, and for each trainable one
+    its optimizer ``buffers`` (float32) and step, with room for the envelope's heads and names. What a
+    receiver of that stage's state is ready to take, and no more."""
+    buffers = tuple(buffers)
+    total, tensors = ENCODING_SLACK, 0
+    for parameter in parameters:
+        total += parameter.bytes
+        tensors += 1
+        if parameter.trainable:
+            total += len(buffers) * parameter.bytes + 8
+            tensors += len(buffers) + 1
+    return total + tensors * PER_TENSOR_SLACK
+
+
+def state_pieces(max_body: int, into: Path | None = None) -> PieceOptions:
+    """How a request moves a stage state: in pieces, a state answered in pieces taken up to ``max_body``
+    bytes, into memory or (``into``) a file written as it arrives."""
+    sink: Callable[[int], Sink] | None = None if into is None else (lambda size: FileSink(into))
+    return PieceOptions(max_body=max_body, sink=sink)
+

@@ -22,15 +22,17 @@ WIDTH = 256
 LAYERS = 24
 
 
-def build(spec: ModelSpec, seed: int) -> onnx.ModelProto:
-    """The mlp-deep model for ``spec`` (input [N, 64] float32, logits [N, classes])."""
+def build(spec: ModelSpec, seed: int, width: int = WIDTH, layers: int = LAYERS,
+          metadata: dict[str, str] | None = None) -> onnx.ModelProto:
+    """The mlp-deep model for ``spec`` (input [N, 64] float32, logits [N, classes]); another ``width`` or
+    number of ``layers`` makes a model of another size (blocks ``layer0`` .. ``layer<layers - 1>``)."""
     b = GraphBuilder(spec.name, seed)
     x = b.input(spec.input_name, spec.input_dtype, ["N", *spec.input_shape])
     with b.block("embed"):
-        x = b.op("Relu", [linear(b, x, "linear", spec.input_shape[0], WIDTH, relu_follows=True)])
-    for index in range(LAYERS):
+        x = b.op("Relu", [linear(b, x, "linear", spec.input_shape[0], width, relu_follows=True)])
+    for index in range(layers):
         with b.block(f"layer{index}"):
-            x = b.op("Relu", [linear(b, x, "linear", WIDTH, WIDTH, relu_follows=True)])
+            x = b.op("Relu", [linear(b, x, "linear", width, width, relu_follows=True)])
     with b.block("head"):
-        logits = linear(b, x, "linear", WIDTH, spec.num_classes, relu_follows=False, output=spec.output_name)
-    return b.model(logits, "float32", ["N", spec.num_classes], spec.metadata(seed))
+        logits = linear(b, x, "linear", width, spec.num_classes, relu_follows=False, output=spec.output_name)
+    return b.model(logits, "float32", ["N", spec.num_classes], spec.metadata(seed) if metadata is None else metadata)

@@ -4,6 +4,8 @@ Map of the package (wire format: docs/PROTOCOL.md):
 
 - ``envelope.py``     :class:`Envelope`, :func:`encode_envelope`, :func:`decode_envelope`: the message
 - ``tensor.py``       RFC 8746 typed arrays in tag 40: zero-copy tensor encode/decode, dtype table
+- ``pieces.py``       bodies in pieces: the ``piece`` format, :class:`Outgoing`, :class:`Incoming`, the sinks
+- ``transfers.py``    :class:`Transfers` (a server's bodies in pieces, bounded), :class:`PieceOptions`, sends
 - ``codec.py``        compression codecs ``none``/``fp16``/``int8``/``int4``/``topk``, :func:`get_codec`
 - ``cbor.py``         the CBOR subset (zero-copy byte strings, strict limits) under both of the above
 - ``limits.py``       :class:`Limits`: declared size and structure caps (4.13 / 4.00), connection limits
@@ -39,9 +41,11 @@ from edgert.transport.envelope import (
     Envelope,
     decode_envelope,
     encode_envelope,
+    encode_envelope_parts,
 )
 from edgert.transport.errors import (
     BadRequest,
+    Incomplete,
     InternalServerError,
     MalformedMessage,
     MethodNotAllowed,
@@ -62,12 +66,13 @@ from edgert.transport.observe import Observable, Observation
 from edgert.transport.server import TensorServer
 from edgert.transport.sync_client import SyncClient
 from edgert.transport.tensor import DTYPES, decode_tensor, encode_tensor
+from edgert.transport.transfers import PieceOptions
 
 __all__ = [
-    "BadRequest", "CONTENT_FORMAT", "ClientConfig", "Codec", "DEFAULT_LIMITS", "DTYPES",
+    "BadRequest", "CONTENT_FORMAT", "Incomplete", "ClientConfig", "Codec", "DEFAULT_LIMITS", "DTYPES",
     "Envelope", "InternalServerError", "KINDS", "Limits", "Link", "MalformedMessage", "MethodNotAllowed",
     "NotFound", "Observable", "Observation", "PeerUnreachable", "Request", "RequestTimeout", "Response",
     "ResponseError", "ServiceUnavailable", "SyncClient", "TensorClient", "TensorServer", "TooLarge",
     "TransportError", "UnsupportedCodec", "UnsupportedContentFormat", "decode_envelope", "decode_tensor",
-    "encode_envelope", "encode_tensor", "get_codec",
+    "encode_envelope", "encode_envelope_parts", "encode_tensor", "get_codec", "PieceOptions",
 ]

@@ -19,11 +19,11 @@ TLS server raises :class:`PeerUnreachable` saying the peer speaks TLS (``coaps+t
 With credentials, ``coap://`` requests are OSCORE-protected (:mod:`~edgert.transport.oscore`);
 the coordinator names the device in the URL: ``coap://NAME@host:port``.
 
-Payloads beyond the peer's Max-Message-Size are sent as BERT blocks by aiocoap;
-between edgert endpoints every payload up to :attr:`Limits.max_payload_bytes`
-travels as one message (see docs/PROTOCOL.md, "Large messages"). Over TCP an
-envelope's tensor data goes to the socket straight from the arrays (no encode
-copy), so leave them unchanged until the request returns; a retry re-reads them.
+Payloads beyond the peer's Max-Message-Size go as BERT blocks (aiocoap); between edgert endpoints one of up
+to :attr:`Limits.max_payload_bytes` is one message (docs/PROTOCOL.md, "Large messages"); with ``pieces=``
+(:class:`~edgert.transport.transfers.PieceOptions`) an envelope over a piece, and its answer, go in pieces
+(§12). Over TCP an envelope's tensor data goes to the socket straight from the arrays (no encode copy), so
+leave them unchanged until the request returns; a retry re-reads them.
 
 :meth:`TensorClient.submit` sends from another thread without waiting (the tensor path,
 :mod:`~edgert.transport.submission`); :class:`~edgert.transport.sync_client.SyncClient` gives
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ssl
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,12 +57,13 @@ from edgert.transport.envelope import CONTENT_FORMAT, CodecChoice, Envelope, enc
 from edgert.transport.errors import RETRIED_CODES, MalformedMessage, PeerUnreachable, RequestTimeout
 from edgert.transport.framing import frame_head
 from edgert.transport.limits import DEFAULT_LIMITS, HEAD_SLACK, Limits
-from edgert.transport.message import Response
+from edgert.transport.message import Response, method_code
 from edgert.transport.observe import Observation
 from edgert.transport.oscore import OscoreRequests
 from edgert.transport.oscore_keys import OscoreKeys
 from edgert.transport.submission import Attempts, Submission, WrittenRequests
-from edgert.transport.tls import TlsCredentials
+from edgert.transport.tls import TlsCredentials, speaks_tls
+from edgert.transport.transfers import PieceOptions, request_in_pieces
 from edgert.transport.urls import format_url, parse_url
 
 Payload = Envelope | bytes | bytearray | memoryview | None
@@ -131,6 +131,7 @@ class TensorClient:
         self.submissions: set[Submission] = set()
         """Submitted requests in flight (loop thread only); see :meth:`cancel_submissions`."""
         self._written: WrittenRequests | None = None  # submitted requests written from other threads
+        self._in_pieces: set[concurrent.futures.Future] = set()  # submitted bodies in pieces (tasks on the loop)
 
     async def start(self) -> TensorClient:
         """Create the aiocoap context (also done lazily by the first request)."""
@@ -174,7 +175,10 @@ class TensorClient:
             self._written.stop()
         submissions, self.submissions = self.submissions, set()
         tasks = [task for task in (submission.cancel() for submission in submissions) if task is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        in_pieces, self._in_pieces = self._in_pieces, set()
+        for future in in_pieces:
+            future.cancel()
+        await asyncio.gather(*tasks, *(asyncio.wrap_future(f) for f in in_pieces), return_exceptions=True)
 
     async def close(self) -> None:
         """Release every connection; idempotent."""
@@ -202,12 +206,18 @@ class TensorClient:
     async def request(self, method: str, url: str, path: str = "", payload: Payload = None, *,
                       codec: CodecChoice = None, content_format: int | None = None,
                       query: Mapping[str, str] | None = None, timeout: float | None = None,
-                      retries: int | None = None, raise_for_status: bool = True) -> Response:
+                      retries: int | None = None, raise_for_status: bool = True,
+                      pieces: PieceOptions | None = None) -> Response:
         """Send one request to ``url`` + ``path`` and return the response.
 
         ``payload`` may be an :class:`Envelope` (encoded with ``codec``, Content-Format
-        60) or raw bytes. Error codes raise unless ``raise_for_status=False``.
+        60) or raw bytes. Error codes raise unless ``raise_for_status=False``. ``pieces``: see
+        the module's docstring.
         """
+        if pieces is not None:
+            timeout, retries = self._attempt_limits(timeout, retries)
+            return await request_in_pieces(self, method, url, path, payload, pieces, timeout, retries,
+                                           raise_for_status, codec=codec, content_format=content_format)
         a = self._attempts_of(method, url, path, payload, codec, content_format, timeout, retries, raise_for_status)
         if not query and self._loop is asyncio.get_running_loop():
             lean = self._lean_head(a)
@@ -221,7 +231,7 @@ class TensorClient:
 
     def submit(self, method: str, url: str, path: str = "", payload: Payload = None, *,
                codec: CodecChoice = None, content_format: int | None = None, timeout: float | None = None,
-               retries: int | None = None) -> concurrent.futures.Future[Response]:
+               retries: int | None = None, pieces: PieceOptions | None = None) -> concurrent.futures.Future[Response]:
         """Send a request from any thread without waiting for it: a future of its response (an error
         code is raised from it, as by :meth:`request`).
 
@@ -233,6 +243,13 @@ class TensorClient:
         written = self._written
         if self._loop is None or written is None:
             raise RuntimeError("start the client on its loop before submitting to it")
+        if pieces is not None:  # several requests in turn: a task on the loop
+            future = asyncio.run_coroutine_threadsafe(self.request(
+                method, url, path, payload, codec=codec, content_format=content_format, timeout=timeout,
+                retries=retries, pieces=pieces), self._loop)
+            self._in_pieces.add(future)
+            future.add_done_callback(self._in_pieces.discard)
+            return future
         attempts = self._attempts_of(method, url, path, payload, codec, content_format, timeout, retries)
         submission = Submission(self, attempts)
         lean = self._lean_head(attempts)
@@ -250,7 +267,7 @@ class TensorClient:
                      content_format: int | None, timeout: float | None, retries: int | None,
                      raise_for_status: bool = True) -> Attempts:
         """What every attempt of a request sends, with the client's defaults for what is not given."""
-        code = _method_code(method)
+        code = method_code(method)
         body, content_format = _body(payload, codec, content_format)
         timeout, retries = self._attempt_limits(timeout, retries)
         return Attempts(code, url, path, body, content_format, timeout, retries, raise_for_status)
@@ -372,7 +389,7 @@ class TensorClient:
             return await self._pool(scheme).connection(host, port)
         except coap_error.NetworkError as exc:
             connected = not isinstance(exc.__cause__, OSError)  # the peer took the connection, then hung up
-            if scheme == "coap+tcp" and connected and await _speaks_tls(host, port, self.config.connect_timeout):
+            if scheme == "coap+tcp" and connected and await speaks_tls(host, port, self.config.connect_timeout):
                 raise PeerUnreachable(f"{format_url(scheme, host, port)}: the peer speaks TLS; reach it at "
                                       f"{format_url(TLS_SCHEME, host, port)} with cluster credentials (or start "
                                       f"it with --insecure for plaintext)") from None
@@ -459,29 +476,6 @@ class TensorClient:
     def observe(self, url: str, path: str, *, timeout: float | None = None) -> Observation:
         """Observe (RFC 7641) ``url``/``path``: an async iterator of responses, first the current state."""
         return Observation(self, url, path, self.config.timeout if timeout is None else timeout)
-
-
-async def _speaks_tls(host: str, port: int, timeout: float) -> bool:
-    """Whether (host, port) completes a TLS handshake: a TLS server closes a plaintext CoAP
-    connection without a byte, so only asking it in TLS tells it from a server that failed."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # nothing is sent over it: the handshake is the whole question
-    try:
-        async with deadline.timeout(timeout):
-            _, writer = await asyncio.open_connection(host, port, ssl=context, server_hostname="")
-    except (OSError, asyncio.TimeoutError):  # ssl.SSLError is an OSError
-        return False
-    writer.transport.abort()
-    return True
-
-
-def _method_code(method: str) -> Code:
-    code = {"GET": Code.GET, "POST": Code.POST, "PUT": Code.PUT, "DELETE": Code.DELETE,
-            "FETCH": Code.FETCH}.get(method.upper() if isinstance(method, str) else method)
-    if code is None:
-        raise ValueError(f"unsupported method {method!r} (GET, POST, PUT, DELETE, FETCH)")
-    return code
 
 
 def _body(payload: Payload, codec: CodecChoice, content_format: int | None) -> tuple[Body, int | None]:

@@ -215,12 +215,14 @@ class LargeTcpConnection(TcpConnection, asyncio.BufferedProtocol):
                 message.payload = bytes(message.payload[:self.maximum_payload_size])
             self._send_message(message)
 
-    def send_frame(self, code: int, token: bytes, options: bytes, payload: Buffer) -> None:
+    def send_frame(self, code: int, token: bytes, options: bytes, payload: Buffer | Sequence[Buffer]) -> None:
         """Send a message whose ``options`` are already encoded now, if the connection is open (the server's
-        fast-path responses; ``payload`` must fit the peer's Max-Message-Size)."""
+        fast-path responses; ``payload``, one buffer or consecutive parts, must fit the peer's
+        Max-Message-Size)."""
         if self.is_open:
-            self._write_frame(frame_head(code, token, options, len(payload)), (payload,) if payload else (),
-                              len(payload))
+            parts = tuple(payload) if isinstance(payload, (list, tuple)) else ((payload,) if payload else ())
+            size = sum(map(len, parts))
+            self._write_frame(frame_head(code, token, options, size), parts, size)
 
     # -- the peer's limits ------------------------------------------------------------------
 

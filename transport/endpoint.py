@@ -23,7 +23,12 @@ from aiocoap.numbers.codes import Code
 
 from edgert.transport import linkformat
 from edgert.transport.coap_tcp import LargeTcpConnection
-from edgert.transport.envelope import CONTENT_FORMAT, Envelope, decode_envelope, encode_envelope
+from edgert.transport.envelope import (
+    CONTENT_FORMAT,
+    Envelope,
+    decode_envelope,
+    encode_envelope_parts,
+)
 from edgert.transport.errors import (
     BadRequest,
     Forbidden,
@@ -36,10 +41,12 @@ from edgert.transport.errors import (
 from edgert.transport.incoming import IncomingMessage
 from edgert.transport.message import TEXT, Request, Response
 from edgert.transport.oscore import OscoreAddress
+from edgert.transport.pieces import PIECE_BYTES, PIECE_KIND, read_piece, stream_limits
 from edgert.transport.tls import PeerIdentity
 
 if TYPE_CHECKING:
     from edgert.transport.server import TensorServer
+    from edgert.transport.transfers import Admission
 
 log = logging.getLogger("edgert.transport.server")
 
@@ -78,7 +85,8 @@ class Endpoint(resource.Resource):
 
     def __init__(self, server: TensorServer, path: str, handlers: dict[str, Handler], *, rt: str | None,
                  envelope: bool, kinds: tuple[str, ...] | None, title: str | None,
-                 roles: dict[str, tuple[str, ...]] | None) -> None:
+                 roles: dict[str, tuple[str, ...]] | None, pieces: Admission | None = None,
+                 piece_answers: bool = False) -> None:
         super().__init__()
         self.server = server
         self.path = path.strip("/")
@@ -88,6 +96,8 @@ class Endpoint(resource.Resource):
         self.kinds = kinds
         self.title = title
         self.roles = roles
+        self.pieces = pieces  # admits a request body in pieces (None: this path takes none)
+        self.piece_answers = piece_answers  # answers an envelope over a piece in pieces
         self._block1 = CappedBlock1Spool(server.limits.max_payload_bytes)
 
     def link(self) -> linkformat.Link:
@@ -112,31 +122,42 @@ class Endpoint(resource.Resource):
 
     def start(self, incoming: IncomingMessage) -> Answer | Awaitable[Answer]:
         """Check ``incoming`` and call its handler: the response, or (the handler is a coroutine) an
-        awaitable of it. Never raises: a refusal or a handler's exception is the response."""
+        awaitable of it. Never raises: a refusal or a handler's exception is the response. A piece of a
+        body (transport/pieces.py) that is not its last is answered 2.31 Continue without the handler."""
+        request = None
         try:
             request = self._request(incoming)
+            if request is None:
+                return Response(Code.CONTINUE)
             result = self.handlers[request.method](request)
         except Exception as error:  # noqa: BLE001  (see _failure)
-            return self._failure(incoming, error)
+            return self._failure(incoming, error, request)
         if inspect.isawaitable(result):
-            return self._finish(incoming, result)
-        return self._respond(incoming, result)
+            return self._finish(incoming, request, result)
+        return self._respond(incoming, request, result)
 
-    async def _finish(self, incoming: IncomingMessage, result: Awaitable[HandlerResult]) -> Answer:
+    async def _finish(self, incoming: IncomingMessage, request: Request,
+                      result: Awaitable[HandlerResult]) -> Answer:
         try:
             result = await result
         except Exception as error:  # noqa: BLE001  (see _failure)
-            return self._failure(incoming, error)
-        return self._respond(incoming, result)
+            return self._failure(incoming, error, request)
+        return self._respond(incoming, request, result)
 
-    def _respond(self, incoming: IncomingMessage, result: HandlerResult) -> Answer:
+    def _respond(self, incoming: IncomingMessage, request: Request, result: HandlerResult) -> Answer:
         try:
-            return self._response(result, incoming.code)
+            response = self._response(result, incoming.code, request)
+            if request.sink is not None:
+                request.sink.commit()  # the handler took the body: a file stays where it was written
+            return response
         except Exception as error:  # noqa: BLE001  (see _failure)
-            return self._failure(incoming, error)
+            return self._failure(incoming, error, request)
 
-    def _failure(self, incoming: IncomingMessage, error: Exception) -> Message:
-        """A refusal's own code, or 5.00 for anything else: a handler bug must not kill the server."""
+    def _failure(self, incoming: IncomingMessage, error: Exception, request: Request | None = None) -> Message:
+        """A refusal's own code, or 5.00 for anything else: a handler bug must not kill the server. A body
+        that came in pieces is dropped (a file written for it is removed)."""
+        if request is not None and request.sink is not None:
+            request.sink.abort()
         method = incoming.code
         if isinstance(error, ResponseError):
             log.info("%s /%s from %s: %s", method.name, self.path, incoming.peer_name, error)
@@ -165,7 +186,8 @@ class Endpoint(resource.Resource):
                 f"got {content_format}")
         return peer
 
-    def _request(self, incoming: IncomingMessage) -> Request:
+    def _request(self, incoming: IncomingMessage) -> Request | None:
+        """The request to hand to the handler; None for a piece of a body that is not its last."""
         peer = self.check_head(incoming)
         method = incoming.code
         limits = self.server.limits
@@ -181,6 +203,8 @@ class Endpoint(resource.Resource):
         if self.envelope:
             if payload:
                 request.envelope = decode_envelope(payload, limits)
+                if request.envelope.kind == PIECE_KIND:
+                    return self._piece(request)
                 if self.kinds is not None and request.envelope.kind not in self.kinds:
                     raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
                                      f"got {request.envelope.kind!r}")
@@ -188,13 +212,45 @@ class Endpoint(resource.Resource):
                 raise BadRequest(f"{method.name} /{self.path} needs an envelope payload")
         return request
 
-    def _response(self, result: HandlerResult, method: Code) -> Response:
+    def _piece(self, request: Request) -> Request | None:
+        """Take a piece of a body pushed to this path; once the body is whole and verified, the request it
+        makes (decoded, its kind checked), else None."""
+        if self.pieces is None:
+            raise BadRequest(f"{request.method} /{self.path} takes no body in pieces")
+        try:
+            piece = read_piece(request.envelope)
+            if self.kinds is not None and piece.of not in self.kinds:
+                raise BadRequest(f"/{self.path} takes envelope kind(s) {', '.join(self.kinds)}, "
+                                 f"got pieces of {piece.of!r}")
+        except ResponseError:  # a bad piece ends the transfer it names
+            self.server.transfers.drop(request.sender, request.envelope.meta.get("transfer"))
+            raise
+        incoming = self.server.transfers.receive(request.sender, piece, lambda first: self.pieces(request, first))
+        if incoming is None:
+            return None
+        body = incoming.sink.finish()
+        request.sink = incoming.sink
+        try:
+            envelope = decode_envelope(body, stream_limits(len(body), self.server.limits))
+            if envelope.kind != piece.of:
+                raise BadRequest(f"the body in pieces is a {envelope.kind!r} envelope, its pieces said {piece.of!r}")
+        except Exception:
+            incoming.sink.abort()
+            raise
+        request.payload, request.envelope, request.stored = body, envelope, incoming.sink.path
+        return request
+
+    def _response(self, result: HandlerResult, method: Code, request: Request | None = None) -> Response:
         default = Code.CONTENT if method in (Code.GET, Code.FETCH) else (
             Code.DELETED if method == Code.DELETE else Code.CHANGED)
         if isinstance(result, Response):
             return result
         if isinstance(result, Envelope):
-            return Response(default, encode_envelope(result), CONTENT_FORMAT)
+            parts = encode_envelope_parts(result)
+            if self.piece_answers and request is not None and sum(map(len, parts)) > PIECE_BYTES:
+                first = self.server.transfers.answer(request.sender, result, parts)
+                return Response(default, content_format=CONTENT_FORMAT, parts=tuple(encode_envelope_parts(first)))
+            return Response(default, b"".join(parts), CONTENT_FORMAT)
         if result is None:
             return Response(default)
         if isinstance(result, (bytes, bytearray, memoryview)):

@@ -43,7 +43,7 @@ VERSION = 1
 CONTENT_FORMAT = 60
 
 #: The kinds the runtime uses; others are allowed if they match :data:`KIND_PATTERN`.
-KINDS = ("activations", "gradients", "weights", "control", "health")
+KINDS = ("activations", "gradients", "weights", "control", "health", "piece")
 
 KIND_PATTERN = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
 MAX_NAME_BYTES = 256

@@ -84,6 +84,12 @@ class MethodNotAllowed(ResponseError):
     code = Code.METHOD_NOT_ALLOWED
 
 
+class Incomplete(ResponseError):
+    """4.08: a piece of a body out of order, or of a transfer the server no longer has (docs/PROTOCOL.md §12)."""
+
+    code = Code.REQUEST_ENTITY_INCOMPLETE
+
+
 class TooLarge(ResponseError):
     """4.13: the payload or one of its parts exceeds a declared limit; ``size1`` is the limit in bytes."""
 
@@ -158,6 +164,7 @@ _BY_CODE: dict[Code, type[ResponseError]] = {
         Forbidden,
         NotFound,
         MethodNotAllowed,
+        Incomplete,
         TooLarge,
         UnsupportedContentFormat,
         InternalServerError,

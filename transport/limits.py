@@ -53,6 +53,10 @@ class Limits:
     max_unverified_bytes: int = 256 * MiB
     """Payload bytes of incomplete frames from peers without a verified credential, per server, all
     connections together; a frame that would pass it is answered 5.03 and skipped."""
+    max_transfers: int = 16
+    """Bodies a server receives in pieces at once, and as many it answers in pieces (docs/PROTOCOL.md §12);
+    the next one is answered 5.03. Each one ends, and gives back what it held, after ``frame_timeout``
+    seconds without a piece."""
     frame_timeout: float = 30.0
     """Seconds a connection may go without a byte while a frame (or the peer's CSM) is incomplete,
     and without answering a Ping; then it is aborted."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from aiocoap import Message
 from aiocoap.numbers.codes import Code
@@ -34,6 +36,15 @@ class Request:
     identity: PeerIdentity | None = None
     """The peer's verified identity (TLS only)."""
     envelope: Envelope | None = None
+    stored: Path | None = None
+    """Where a body that arrived in pieces into a file is (kept there once the handler returns)."""
+    sink: Any = None
+    """The sink of a body that arrived in pieces: committed once the handler returns, aborted if it raises."""
+
+    @property
+    def sender(self) -> str:
+        """Who sent it, as a key: the name its credential proves (TLS, OSCORE), else its address."""
+        return self.identity.name if self.identity is not None else self.peer
 
 
 @dataclass
@@ -44,6 +55,14 @@ class Response:
     payload: bytes | bytearray = b""
     content_format: int | None = None
     size1: int | None = None
+    body_limits: Limits | None = None
+    """Set on a body fetched in pieces (transport/pieces.py): the limits it is decoded with, its size being
+    bounded already by the request's ``max_body``."""
+    stored: Path | None = None
+    """Set on a body fetched in pieces into a file: where it is."""
+    parts: tuple | None = None
+    """A server's answer written from these consecutive buffers instead of ``payload`` (a piece of a state:
+    its data straight from the arrays, transport/pieces.py)."""
 
     @classmethod
     def of(cls, env: Envelope, codec: str | Codec | None = None, code: Code = Code.CONTENT) -> Response:
@@ -63,7 +82,7 @@ class Response:
 
     def to_message(self) -> Message:
         """The aiocoap message to send."""
-        message = Message(code=self.code, payload=self.payload)
+        message = Message(code=self.code, payload=self.payload if self.parts is None else b"".join(self.parts))
         if self.content_format is not None:
             message.opt.content_format = self.content_format
         if self.size1 is not None:
@@ -85,7 +104,7 @@ class Response:
         self.raise_for_status()
         if self.content_format not in (None, CONTENT_FORMAT):
             raise MalformedMessage(f"response has Content-Format {self.content_format}, not {CONTENT_FORMAT}")
-        return decode_envelope(self.payload, limits)
+        return decode_envelope(self.payload, self.body_limits or limits)
 
     def raise_for_status(self) -> Response:
         """Raise the matching :class:`ResponseError` for a 4.xx/5.xx code; return self otherwise."""
@@ -101,6 +120,15 @@ class Response:
 def _encoded_options(content_format: int | None, size1: int | None) -> bytes:
     """A response's options as aiocoap encodes them; the same few pairs recur, so each is encoded once."""
     return Response(content_format=content_format, size1=size1).to_message().opt.encode()
+
+
+def method_code(method: str) -> Code:
+    """The CoAP code of a request method's name (``"PUT"``: 0.03)."""
+    code = {"GET": Code.GET, "POST": Code.POST, "PUT": Code.PUT, "DELETE": Code.DELETE,
+            "FETCH": Code.FETCH}.get(method.upper() if isinstance(method, str) else method)
+    if code is None:
+        raise ValueError(f"unsupported method {method!r} (GET, POST, PUT, DELETE, FETCH)")
+    return code
 
 
 def error_response(error: ResponseError) -> Response:

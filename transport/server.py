@@ -44,6 +44,7 @@ from aiocoap.transports.udp6 import MessageInterfaceUDP6
 from edgert.transport import coap_tcp, coap_tcp_pool, linkformat
 from edgert.transport.coap_tcp import TLS_SCHEME
 from edgert.transport.endpoint import Answer, Endpoint, Handler, HandlerResult, ObservableEndpoint
+from edgert.transport.envelope import CONTENT_FORMAT, encode_envelope_parts
 from edgert.transport.errors import (
     NotFound,
     ResponseError,
@@ -56,7 +57,9 @@ from edgert.transport.message import Request, Response
 from edgert.transport.observe import Observable
 from edgert.transport.oscore import UNPROTECTED, OscoreAddress, OscoreSite
 from edgert.transport.oscore_keys import OscoreKeys
+from edgert.transport.pieces import PIECE_PATH, read_piece_request
 from edgert.transport.tls import TlsCredentials
+from edgert.transport.transfers import Admission, Transfers
 from edgert.transport.urls import format_url, parse_url
 
 log = logging.getLogger("edgert.transport.server")
@@ -85,6 +88,11 @@ class TensorServer:
         self.urls: list[str] = []
         self._add_endpoint(Endpoint(self, WELL_KNOWN_CORE, {"GET": self._well_known_core}, rt=None,
                                      envelope=False, kinds=None, title=None, roles=None))
+        self.transfers = Transfers(limits)
+        """The bodies this server receives and answers in pieces (transport/pieces.py)."""
+        self._add_endpoint(Endpoint(self, PIECE_PATH, {"FETCH": self._next_piece}, rt="edgert.piece",
+                                     envelope=True, kinds=("control",), title="pieces of large answers",
+                                     roles=None))
 
     # -- resources ------------------------------------------------------------
 
@@ -92,14 +100,18 @@ class TensorServer:
                      put: Handler | None = None, delete: Handler | None = None,
                      fetch: Handler | None = None, rt: str, envelope: bool = True,
                      kinds: Iterable[str] | None = None, title: str | None = None,
-                     roles: Iterable[str] | Mapping[str, Iterable[str]] | None = None) -> None:
+                     roles: Iterable[str] | Mapping[str, Iterable[str]] | None = None,
+                     pieces: Admission | None = None, piece_answers: bool = False) -> None:
         """Serve ``path`` with one handler per method; other methods get 4.05.
 
         With ``envelope=True`` a request payload must be an envelope (Content-Format
         60 or none) and arrives decoded as ``request.envelope``; ``kinds`` restricts
         the envelope kinds accepted. ``rt`` is the resource type in link format.
         ``roles`` restricts which peer roles may call it over TLS, for every method or per
-        method (``{"PUT": ("coordinator",)}``); others get 4.03.
+        method (``{"PUT": ("coordinator",)}``); others get 4.03. ``pieces`` admits a request body sent in
+        pieces (given its first piece, where the body goes, or a refusal; docs/PROTOCOL.md §12): the handler
+        gets the whole body once it arrived and its digest matched. ``piece_answers``: an envelope answer
+        larger than a piece goes in pieces, fetched from ``FETCH /piece``.
         """
         handlers = {m: h for m, h in (("GET", get), ("POST", post), ("PUT", put), ("DELETE", delete),
                                       ("FETCH", fetch)) if h is not None}
@@ -107,7 +119,8 @@ class TensorServer:
             raise ValueError(f"resource {path!r} needs at least one handler (get/post/put/delete/fetch)")
         self._add_endpoint(Endpoint(self, path, handlers, rt=rt, envelope=envelope,
                                      kinds=None if kinds is None else tuple(kinds), title=title,
-                                     roles=_roles_by_method(roles, handlers)))
+                                     roles=_roles_by_method(roles, handlers), pieces=pieces,
+                                     piece_answers=piece_answers))
 
     def add_observable(self, path: str, *, rt: str, get: Handler | None = None,
                        initial: HandlerResult = None, title: str | None = None) -> Observable:
@@ -138,7 +151,13 @@ class TensorServer:
     def links(self) -> list[linkformat.Link]:
         """The link-format entries of all resources (what ``/.well-known/core`` serves)."""
         return [endpoint.link() for key, endpoint in sorted(self._endpoints.items())
-                if endpoint.path != WELL_KNOWN_CORE]
+                if endpoint.path not in (WELL_KNOWN_CORE, PIECE_PATH)]  # the transport's own, on every server
+
+    def _next_piece(self, request: Request) -> Response:
+        """``FETCH /piece``: the next piece of a body this server answers in pieces to the requester."""
+        transfer, offset = read_piece_request(request.envelope)
+        piece = self.transfers.next_piece(request.sender, transfer, offset)
+        return Response(content_format=CONTENT_FORMAT, parts=tuple(encode_envelope_parts(piece)))
 
     async def _well_known_core(self, request: Request) -> Response:
         filters = dict(request.query)
@@ -196,6 +215,7 @@ class TensorServer:
         """Close every listener and connection; idempotent."""
         context, self._context = self._context, None
         self.urls = []
+        self.transfers.close()
         for task in list(self._tasks):
             task.cancel()
         if context is not None and context.request_interfaces:  # aiocoap fails on a context with none
@@ -378,6 +398,9 @@ def _roles_by_method(roles: Iterable[str] | Mapping[str, Iterable[str]] | None,
 def _answer(connection: coap_tcp.LargeTcpConnection, request: IncomingMessage, response: Answer) -> None:
     """Send ``response`` to ``request`` (a diagnostic too large for the peer is shortened to fit)."""
     try:
+        if isinstance(response, Response) and response.parts is not None:
+            connection.send_frame(response.code, request.token, response.options, response.parts)
+            return
         if isinstance(response, Response) and len(response.payload) <= connection.maximum_payload_size:
             connection.send_frame(response.code, request.token, response.options, response.payload)
             return

@@ -35,6 +35,7 @@ A credential without the block (enrolled before OSCORE) still works for ``coaps+
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import re
@@ -49,6 +50,7 @@ import cbor2
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from edgert.transport import deadline
 from edgert.transport.errors import CredentialError
 
 #: The URL scheme of protected CoAP over TCP.
@@ -293,3 +295,18 @@ def write_private(path: str | os.PathLike, data: bytes) -> None:
     with os.fdopen(descriptor, "wb") as handle:
         handle.write(data)
     os.chmod(path, 0o600)
+
+
+async def speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether (host, port) completes a TLS handshake: a TLS server closes a plaintext CoAP
+    connection without a byte, so only asking it in TLS tells it from a server that failed."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # nothing is sent over it: the handshake is the whole question
+    try:
+        async with deadline.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port, ssl=context, server_hostname="")
+    except (OSError, asyncio.TimeoutError):  # ssl.SSLError is an OSError
+        return False
+    writer.transport.abort()
+    return True

@@ -9,6 +9,7 @@ Map of the package:
   ``{"rows", "ratios"}``, same-run :func:`ratio`, :class:`Target`, fixed-width tables
 - ``runs.py``       training runs as the benchmarks start them (loopback coordinator), :func:`steady_rate`
 - ``transport.py``  ``edgert bench transport``: raw TCP vs coap+tcp vs coap (UDP), large-message strategies
+- ``state.py``      ``edgert bench state``: a 400 MB stage state in pieces over coap+tcp (push, pull) vs raw TCP
 - ``codecs.py``     the codec measurements: :func:`measure` (one codec, one tensor), sample tensors, codec rows
 - ``recovery.py``   ``edgert bench recovery``: a SIGKILL mid-step, recovery vs restart, replication's cost
 - ``faults.py``     fault injection shared with the tests: kill workers mid-step, tail ``metrics.jsonl``

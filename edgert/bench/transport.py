@@ -133,7 +133,7 @@ def _server_main(conn, credential: Path) -> None:
     asyncio.run(_serve(conn, TlsCredentials.load(credential)))
 
 
-class _RawSink(asyncio.BufferedProtocol):
+class RawSink(asyncio.BufferedProtocol):
     """The raw-TCP baseline's server: 8-byte length, then the bytes, received straight into
     one preallocated buffer (no StreamReader copies), acknowledged with the length."""
 
@@ -146,6 +146,10 @@ class _RawSink(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
 
+    def allocate(self, size: int) -> bytearray | np.ndarray:
+        """The buffer the bytes go into."""
+        return bytearray(size)
+
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self._buffer)[self._filled:]
 
@@ -155,7 +159,7 @@ class _RawSink(asyncio.BufferedProtocol):
             return
         if self._size is None:
             self._size = int.from_bytes(self._buffer, "big")
-            self._buffer, self._filled = bytearray(self._size), 0
+            self._buffer, self._filled = self.allocate(self._size), 0
             if self._size:
                 return
         self._transport.write(self._size.to_bytes(8, "big"))
@@ -163,8 +167,8 @@ class _RawSink(asyncio.BufferedProtocol):
 
 
 async def _serve(conn, tls: TlsCredentials) -> None:
-    raw = await asyncio.get_running_loop().create_server(_RawSink, "127.0.0.1", 0)
-    raw_tls = await asyncio.get_running_loop().create_server(_RawSink, "127.0.0.1", 0, ssl=tls.server_context)
+    raw = await asyncio.get_running_loop().create_server(RawSink, "127.0.0.1", 0)
+    raw_tls = await asyncio.get_running_loop().create_server(RawSink, "127.0.0.1", 0, ssl=tls.server_context)
     chunks: dict[str, list[Any]] = {}
 
     def sink(request: Request) -> None:  # a plain handler, as a worker's /act and /grad are

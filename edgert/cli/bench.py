@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # name: (needs the host extra, what it measures: the command's help and its line in `edgert bench --help`)
 BENCHMARKS = {
     "transport": (False, "Raw TCP vs coap+tcp vs coap (UDP), large-message strategies and codecs."),
+    "state": (False, "A stage state of 400 MB over coap+tcp in pieces (push and pull) vs raw TCP, memory."),
     "recovery": (True, "A SIGKILL mid-step on 4 local workers: recovery vs restart, replication's cost, accuracy."),
     "pipeline": (True, "edgert's overhead over bare ORT, and 1F1B's efficiency on 4 emulated devices."),
     "hetero": (True, "Planned cuts vs equal cuts vs the ideal on 1/2/5/10x devices, and live re-planning."),

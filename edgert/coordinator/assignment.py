@@ -23,7 +23,16 @@ from edgert.coordinator.errors import AssignmentError
 from edgert.exporter.device_plan import PLACEMENT_NAME, load_placement
 from edgert.groups import StageGroup
 from edgert.manifest import Manifest, TrainingConfig
-from edgert.protocol import MIGRATE, SELF, STAGE, MigrateRequest, MigrationSource, Peers, StageAssignment
+from edgert.protocol import (
+    ASSIGNMENT_PIECES,
+    MIGRATE,
+    SELF,
+    STAGE,
+    MigrateRequest,
+    MigrationSource,
+    Peers,
+    StageAssignment,
+)
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.transport import TensorClient, TransportError
@@ -100,7 +109,7 @@ async def assign(client: TensorClient, manifest: Manifest, plan_dir: Path, order
             envelope = assignment.to_envelope(assignment.read_files(plan_dir))
             if briefing.signing is not None:
                 briefing.signing.apply(envelope)
-            await client.request("PUT", url, STAGE, envelope, timeout=120.0)
+            await client.request("PUT", url, STAGE, envelope, timeout=120.0, pieces=ASSIGNMENT_PIECES)
         except TransportError as error:
             who = names[k] if member == 0 else f"member {member} of stage {k}'s group"
             raise AssignmentError(f"worker {who} ({url}) refused stage {k}: {error}") from None

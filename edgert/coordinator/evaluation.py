@@ -22,6 +22,7 @@ import numpy as np
 
 from edgert.chain import StageChain
 from edgert.checkpoint import CheckpointInfo, save_checkpoint_info
+from edgert.coordinator.inputs import stage_state_bound
 from edgert.coordinator.run_state import RunState
 from edgert.coordinator.runlog import RunLog
 from edgert.coordinator.snapshots import CentralCopies
@@ -32,7 +33,7 @@ from edgert.progress import Progress
 from edgert.protocol import WEIGHTS
 from edgert.scoring import Score
 from edgert.transport import TensorClient, deadline
-from edgert.weights import StageState, save_state
+from edgert.weights import StageState, load_state, save_state, state_pieces
 
 SNAPSHOT_WAIT_S = 30.0  # how long the end of a segment waits for the copies of its epoch ends
 
@@ -127,9 +128,13 @@ class Evaluation:
         self._checkpoint_epochs.clear()
 
     async def evaluate(self, epoch: int, step: int) -> tuple[float | None, float | None]:
-        """Evaluate the stages' current states (the pipeline has drained after ``step``)."""
+        """Evaluate the stages' current states (the pipeline has drained after ``step``), fetched in pieces
+        straight into the checkpoint's files."""
         await self.settle()
-        return await self._evaluate_states(await self._fetch_states(), self._scorer, epoch, step, "drained")
+        async with self._lock:
+            written = await self._fetch_states(self._checkpoint_folder())
+        states = [load_state(path) for path in written]
+        return await self._evaluate_states(states, self._scorer, epoch, step, "drained", written)
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -147,36 +152,50 @@ class Evaluation:
         """The epoch ending at ``step`` goes unevaluated: say why (an ``eval_skipped`` event)."""
         self._log.event("eval_skipped", step=step, epoch=epoch, reason=reason)
 
-    async def _fetch_states(self) -> list[StageState]:
-        async def fetch(url: str) -> StageState:
-            return StageState.from_envelope(await self._client.fetch(url, WEIGHTS, timeout=60.0))
+    async def _fetch_states(self, folder: Path) -> list[Path]:
+        """Every stage's state (``GET /weights``), each written to ``folder``/stage<k>.cbor as its pieces arrive,
+        never more of it than the plan's stage holds."""
+        manifest = self._state.manifest
 
-        return list(await asyncio.gather(*(fetch(url) for url in self._state.order)))
+        async def fetch(k: int, url: str) -> Path:
+            path = folder / f"stage{k}.cbor"
+            await self._client.request("GET", url, WEIGHTS, timeout=120.0,
+                                       pieces=state_pieces(stage_state_bound(manifest, k), into=path))
+            return path
+
+        return list(await asyncio.gather(*(fetch(k, url) for k, url in enumerate(self._state.order))))
 
     async def _evaluate_states(self, states: list[StageState], scorer: StateScorer, epoch: int, step: int,
-                               source: str) -> tuple[float | None, float | None]:
-        """Save ``states`` (of ``scorer``'s plan) as the latest checkpoint, evaluate them on the test set,
-        log the result."""
+                               source: str, written: list[Path] | None = None) -> tuple[float | None, float | None]:
+        """Save ``states`` (of ``scorer``'s plan) as the latest checkpoint (``written``: they are in its files
+        already), evaluate them on the test set, log the result."""
         async with self._lock:
-            written = self._save_checkpoint(states, scorer.plan_dir, epoch, step)
+            size = self._save_checkpoint(states, scorer.plan_dir, epoch, step, written)
             loss, accuracy = await asyncio.get_running_loop().run_in_executor(
                 None, scorer.evaluate, states, self._dataset.x_test, self._dataset.y_test)
         self._log.record("eval", epoch=epoch, step=step, test_loss=loss, test_accuracy=accuracy,
-                         checkpoint_bytes=written, source=source)
+                         checkpoint_bytes=size, source=source)
         self._show(epoch, loss, accuracy)
         return loss, accuracy
 
-    def _save_checkpoint(self, states: list[StageState], plan_dir: Path, epoch: int, step: int) -> int:
-        """``states`` as ``checkpoints/latest``, with the plan they belong to (``plan_dir``'s); returns the bytes
-        written."""
-        folder = self._out_dir / "checkpoints" / "latest"
+    def _checkpoint_folder(self) -> Path:
+        return self._out_dir / "checkpoints" / "latest"
+
+    def _save_checkpoint(self, states: list[StageState], plan_dir: Path, epoch: int, step: int,
+                         written: list[Path] | None = None) -> int:
+        """``states`` as ``checkpoints/latest`` (unless ``written`` there already), with the plan they belong to
+        (``plan_dir``'s) and its index; returns the checkpoint's bytes."""
+        folder = self._checkpoint_folder()
+        if written is None:
+            written = [folder / f"stage{k}.cbor" for k in range(len(states))]
+            for k, state in enumerate(states):
+                save_state(state, written[k], self._state.run_id)
         for stale in folder.glob("stage*.cbor"):
-            stale.unlink()
-        written = sum(save_state(state, folder / f"stage{k}.cbor", self._state.run_id)
-                      for k, state in enumerate(states))
+            if stale not in written:
+                stale.unlink()
         self._copy_plan(plan_dir, self._out_dir / "plan")
         save_checkpoint_info(CheckpointInfo(step=step, epoch=epoch, stages=len(states)), folder)
-        return written
+        return sum(path.stat().st_size for path in written)
 
     def _copy_plan(self, plan_dir: Path, target: Path) -> None:
         """The run's plan folder follows re-partitions, so a checkpoint always matches it."""

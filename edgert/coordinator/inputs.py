@@ -9,16 +9,19 @@ them (docs/SECURITY.md, "Requests the coordinator refuses"):
   to (4.03 otherwise); on plaintext (``--insecure``) nobody is authenticated and the origin
   recorded is the sender's address, never ``meta.origin``;
 - *when*: a copy is taken after a step this run has sent to its workers (4.00 otherwise);
-- *how much*: a copy larger than what the coordinator's budget for copies has left is
-  refused before it is read (4.13), so a refusal keeps nothing.
+- *how much*: a copy larger than its stage's whole state (parameters, running statistics,
+  optimizer state: :func:`edgert.weights.state_bytes_bound` of the plan's stage) is refused
+  from its size, before a byte of it is kept (4.13), so a refusal keeps nothing.
 """
 
 from __future__ import annotations
 
+from edgert.manifest import Manifest
+from edgert.optimizer import make_optimizer
 from edgert.protocol import StageReports, WeightsQuery, read_request
-from edgert.replica import CopyStore
 from edgert.transport import BadRequest, Envelope, Request, TooLarge
 from edgert.transport.errors import Forbidden
+from edgert.weights import state_bytes_bound
 
 
 def check_run(envelope: Envelope, run_id: str, what: str) -> None:
@@ -57,18 +60,24 @@ def read_report(request: Request, run_id: str, names: list[str],
     return message
 
 
-def central_copy_origin(request: Request, run_id: str, names: list[str], announced_through: int,
-                        store: CopyStore) -> str:
-    """Check a ``PUT /replica`` before anything is kept; returns the origin to record it under."""
-    envelope = request.envelope
+def central_copy_origin(request: Request, envelope: Envelope, size: int, run_id: str, names: list[str],
+                        announced_through: int, manifest: Manifest) -> str:
+    """Check a ``PUT /replica`` (``envelope``: the copy's header, or its first piece's; ``size``: its bytes)
+    before anything of it is kept; returns the origin to record it under."""
     check_run(envelope, run_id, "a copy")
-    if len(request.payload) > store.room():
-        raise TooLarge(f"a copy of {len(request.payload)} bytes does not fit: the coordinator keeps "
-                       f"{store.max_peer_bytes} bytes of copies, {store.room()} are left")
     origin = sender(request, envelope.stage, names, "a copy")
+    bound = stage_state_bound(manifest, envelope.stage)
+    if size > bound:
+        raise TooLarge(f"a copy of {size} bytes of stage {envelope.stage}, whose whole state takes at most "
+                       f"{bound} bytes", size1=bound)
     if not 0 <= envelope.step <= announced_through:
         raise BadRequest(f"a copy after step {envelope.step}; this run has sent steps up to {announced_through}")
     return origin
+
+
+def stage_state_bound(manifest: Manifest, stage: int) -> int:
+    """The most bytes stage ``stage``'s state takes encoded (what a copy or a fetch of it may be)."""
+    return state_bytes_bound(manifest.stages[stage].parameters, make_optimizer(manifest.training).buffer_names)
 
 
 def read_copy_query(envelope: Envelope, run_id: str) -> WeightsQuery:

@@ -26,7 +26,7 @@ from edgert.exporter.errors import ExportError
 from edgert.exporter.export import ExportOptions, prepare_analysis, write_plan
 from edgert.exporter.source import load_source_model
 from edgert.manifest import Manifest, StageEntry, TrainingConfig
-from edgert.protocol import PROBE, PROFILE, Peers, ProfileOptions, StageAssignment
+from edgert.protocol import ASSIGNMENT_PIECES, PROBE, PROFILE, Peers, ProfileOptions, StageAssignment
 from edgert.run_settings import RunSettings
 from edgert.security.admission import StageSigning
 from edgert.security.keystore import HostSecurity
@@ -166,4 +166,4 @@ async def _post_profile(client: TensorClient, url: str, plan: Path, manifest: Ma
                         meta={**envelope.meta, **to_data(ProfileOptions(micro_batch, repeats))})
     if signing is not None:
         signing.apply(envelope)
-    return (await client.post(url, PROFILE, envelope, timeout=600.0)).envelope().meta
+    return (await client.post(url, PROFILE, envelope, timeout=600.0, pieces=ASSIGNMENT_PIECES)).envelope().meta

@@ -27,12 +27,13 @@ from edgert.coordinator.run_summary import count_events
 from edgert.coordinator.runlog import RunLog
 from edgert.coordinator.snapshots import COORDINATOR, CentralCopies, gather_holdings, newest_snapshot, sources_for
 from edgert.coordinator.stage_groups import groups_record, without_failed
-from edgert.errors import EdgertError, ReplicaStoreFull
+from edgert.errors import EdgertError
 from edgert.groups import StageGroup
 from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.progress import Progress
 from edgert.protocol import MIGRATE, REPLICA, STOP, WEIGHTS
-from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TooLarge, TransportError
+from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TransportError
+from edgert.transport.pieces import FileSink, Piece, Sink
 from edgert.weights import StageState
 
 
@@ -62,8 +63,10 @@ class Recovery:
 
     def serve(self, server: TensorServer) -> None:
         """Take the stages' copies and hand them out during recoveries (resources on ``server``)."""
-        server.add_resource(REPLICA, put=self._on_replica, rt="edgert.replica", kinds=("weights",))
-        server.add_resource(WEIGHTS, fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("control",))
+        server.add_resource(REPLICA, put=self._on_replica, rt="edgert.replica", kinds=("weights",),
+                            pieces=self._admit_copy)
+        server.add_resource(WEIGHTS, fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("control",),
+                            piece_answers=True)
 
     async def recover(self, failure: WorkerFailure) -> int:
         """Recover from ``failure`` (and from further failures during it); returns the step to resume at."""
@@ -195,17 +198,24 @@ class Recovery:
 
     # -- copies held by the coordinator --------------------------------------------------------
 
+    def _admit_copy(self, request: Request, piece: Piece) -> Sink:
+        """A copy arriving in pieces: checked from its first piece, written to its place on disk as it comes."""
+        state, header = self._state, piece.header
+        central_copy_origin(request, header, piece.size, state.run_id, state.names, state.announced_through,
+                            state.manifest)
+        return FileSink(self.central.path(header.step, header.stage))
+
     async def _on_replica(self, request: Request) -> None:
         """A worker's copy of its stage (edgert/coordinator/inputs.py says which are refused)."""
         state = self._state
-        origin = central_copy_origin(request, state.run_id, state.names, state.announced_through, self.central.store)
+        origin = central_copy_origin(request, request.envelope, len(request.payload), state.run_id, state.names,
+                                     state.announced_through, state.manifest)
         copy = StageState.from_envelope(request.envelope)
+        if request.sink is not None:
+            request.sink.commit()  # the file in its place before the snapshot it completes is marked complete
         manifest_text = json.dumps(state.manifest.to_json())
-        try:
-            complete = self.central.put(copy, origin, len(state.manifest.stages), manifest_text,
-                                        str(state.plan_dir.resolve()))
-        except ReplicaStoreFull as error:
-            raise TooLarge(str(error)) from None
+        complete = self.central.put(copy, origin, len(state.manifest.stages), manifest_text,
+                                    str(state.plan_dir.resolve()), on_disk=request.stored is not None)
         if complete:
             self._log.event("central_snapshot", step=copy.step, stages=len(state.manifest.stages))
             self._evaluation.snapshot_complete(copy.step)
@@ -214,6 +224,6 @@ class Recovery:
         """Copies as of a step, for workers taking over blocks during a recovery."""
         query = read_copy_query(request.envelope, self._state.run_id)
         try:
-            return self.central.store.get(query.copy_step, list(query.names)).to_envelope(self._state.run_id)
+            return self.central.get(query.copy_step, list(query.names)).to_envelope(self._state.run_id)
         except EdgertError as error:
             raise BadRequest(str(error)) from None

@@ -9,8 +9,8 @@ to the coordinator (``--central-every``); after a failure (FTPipeHD, Asteroid):
   the consistent cut to roll back to;
 - :func:`sources_for` tells each worker where to fetch its new stage's state as of that step.
 
-:class:`CentralCopies` is the coordinator's own copy store, kept on disk as well, so a
-restarted coordinator can resume from it.
+:class:`CentralCopies` is the coordinator's own copy store, kept on disk only (written as the copies
+arrive in pieces), so a restarted coordinator can resume from it.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from pathlib import Path
 from edgert.errors import EdgertError
 from edgert.manifest import MANIFEST_NAME, Manifest
 from edgert.protocol import REPLICA, SELF, MigrateRequest, MigrationSource
-from edgert.replica import SELF_ORIGIN, CopyStore, Holding, holdings_from_meta
+from edgert.replica import SELF_ORIGIN, Holding, holdings_from_meta, picked
 from edgert.transport import TensorClient, TransportError
 from edgert.weights import StageState, load_state, save_state
 
 COORDINATOR = "coordinator"  # the coordinator, as a holder of copies
 KEEP_SNAPSHOTS = 2
-CENTRAL_MAX_BYTES = 1 << 30  # the workers' copies the coordinator keeps in memory, every stage and version together
 COMPLETE_FILE = "complete.json"  # in a snapshot's folder once every stage's copy is there: step, stages, plan_dir
 
 
@@ -92,27 +91,34 @@ class StoredSnapshot:
 
 
 class CentralCopies:
-    """The coordinator's copies: in memory for serving, on disk (``snapshots/``) for resuming.
+    """The coordinator's copies, on disk only (``snapshots/``): written as they arrive, served from there
+    (mapped, so they live in the page cache, never whole in the coordinator's heap), resumed from.
 
     A snapshot's folder, ``step_<t>/``, holds a ``stage<k>.cbor`` per stage; once it has every stage it
     gets the plan's ``manifest.json`` and :data:`COMPLETE_FILE`. The newest :data:`KEEP_SNAPSHOTS`
-    complete ones are kept.
+    complete ones are kept, and the copies of later steps still arriving.
     """
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.store = CopyStore(keep_versions=KEEP_SNAPSHOTS, max_peer_bytes=CENTRAL_MAX_BYTES)
+        self._held: dict[tuple[int, int], Holding] = {}  # (step, stage): the copy on disk
 
-    def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "") -> bool:
-        """Keep a copy of a stage of the plan ``manifest_text`` (of ``stages`` stages, built in ``plan_dir``); True
-        when the step's snapshot became complete (every stage here). Raises
-        :class:`~edgert.replica.ReplicaStoreFull`, keeping nothing, beyond :data:`CENTRAL_MAX_BYTES`."""
-        self.store.put(state, origin)
-        step_dir = self._step_dir(state.step)
-        save_state(state, step_dir / f"stage{state.stage}.cbor")
-        have = len(list(step_dir.glob("stage*.cbor")))
-        if have < stages:
+    def path(self, step: int, stage: int) -> Path:
+        """Where the copy of ``stage`` after ``step`` is kept."""
+        return self._step_dir(step) / f"stage{stage}.cbor"
+
+    def put(self, state: StageState, origin: str, stages: int, manifest_text: str, plan_dir: str = "",
+            on_disk: bool = False) -> bool:
+        """Keep a copy of a stage of the plan ``manifest_text`` (of ``stages`` stages, built in ``plan_dir``): write
+        it (unless it arrived in pieces straight into :meth:`path`, ``on_disk``); True when the step's snapshot
+        became complete (every stage here)."""
+        if not on_disk:
+            save_state(state, self.path(state.step, state.stage))
+        self._held[(state.step, state.stage)] = Holding(state.step, state.stage, origin, tuple(state.parameters),
+                                                        state.bytes)
+        if sum(1 for step, _ in self._held if step == state.step) < stages:
             return False
+        step_dir = self._step_dir(state.step)
         (step_dir / MANIFEST_NAME).write_text(manifest_text)
         (step_dir / COMPLETE_FILE).write_text(json.dumps({"step": state.step, "stages": stages,
                                                           "plan_dir": plan_dir}))
@@ -127,17 +133,22 @@ class CentralCopies:
         for partial in self.folder.glob("step_*"):
             if not (partial / COMPLETE_FILE).exists() and newest and partial.name < newest:
                 shutil.rmtree(partial, ignore_errors=True)
+        self._held = {key: held for key, held in self._held.items() if self.path(*key).is_file()}
 
     def holdings(self) -> list[Holding]:
-        return self.store.holdings()
+        return [held for _, held in sorted(self._held.items())]
+
+    def get(self, step: int, names: list[str]) -> StageState:
+        """The named parameters (and their optimizer state) as they were after ``step``, read from disk (only the
+        files that hold some of them)."""
+        wanted = set(names)
+        files = [self.path(step, stage) for (held_step, stage), held in sorted(self._held.items())
+                 if held_step == step and wanted & set(held.names)]
+        return picked((load_state(path) for path in files), names, step)
 
     def snapshot(self, step: int, stages: int) -> list[StageState]:
-        """Every stage's copy after ``step``, in stage order (the snapshot must be complete):
-        from memory, or from disk when newer copies have already taken their place there."""
-        try:
-            return [self.store.state(step, stage) for stage in range(stages)]
-        except EdgertError:
-            return [load_state(self._step_dir(step) / f"stage{stage}.cbor") for stage in range(stages)]
+        """Every stage's copy after ``step``, in stage order (the snapshot must be complete), mapped from disk."""
+        return [load_state(self.path(step, stage)) for stage in range(stages)]
 
     def _step_dir(self, step: int) -> Path:
         """Where the copies after ``step`` are kept on disk."""
@@ -148,13 +159,15 @@ class CentralCopies:
         return sorted(p.parent for p in self.folder.glob(f"step_*/{COMPLETE_FILE}"))
 
     def load_latest(self) -> StoredSnapshot | None:
-        """The newest complete snapshot on disk, its copies put back in memory for serving (None: there is none)."""
+        """The newest complete snapshot on disk, its copies listed for serving (None: there is none)."""
         complete = self._complete()
         if not complete:
             return None
         step_dir = complete[-1]
         info = json.loads((step_dir / COMPLETE_FILE).read_text())
         for path in sorted(step_dir.glob("stage*.cbor"), key=lambda p: int(p.stem.removeprefix("stage"))):
-            self.store.put(load_state(path), SELF_ORIGIN)
+            state = load_state(path)
+            self._held[(state.step, state.stage)] = Holding(state.step, state.stage, SELF_ORIGIN,
+                                                            tuple(state.parameters), state.bytes)
         manifest = Manifest.from_json(json.loads((step_dir / MANIFEST_NAME).read_text()))
         return StoredSnapshot(int(info["step"]), manifest, Path(info.get("plan_dir", "")))

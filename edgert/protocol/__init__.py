@@ -52,6 +52,7 @@ from edgert.protocol.resources import (
     MAX_PROFILE_REPEATS,
     MAX_REASON_BYTES,
     MAX_SEGMENT_STEPS,
+    MAX_STAGE_BYTES,
     MIGRATE,
     PROBE,
     PROFILE,
@@ -75,11 +76,12 @@ from edgert.protocol.run_commands import (
     stop_reason,
     truncate_envelope,
 )
-from edgert.protocol.stage_assignment import Peers, ProfileOptions, StageAssignment, probe_target
+from edgert.protocol.stage_assignment import ASSIGNMENT_PIECES, Peers, ProfileOptions, StageAssignment, probe_target
 from edgert.protocol.state_transfer import MigrateRequest, MigrationSource, WeightsQuery
 
 __all__ = [
     "ACT",
+    "ASSIGNMENT_PIECES",
     "BATCH",
     "CRL",
     "DATA_KINDS",
@@ -98,6 +100,7 @@ __all__ = [
     "MAX_PROFILE_REPEATS",
     "MAX_REASON_BYTES",
     "MAX_SEGMENT_STEPS",
+    "MAX_STAGE_BYTES",
     "MIGRATE",
     "MigrateRequest",
     "MigrationSource",

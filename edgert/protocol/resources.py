@@ -37,6 +37,7 @@ MAX_REASON_BYTES = 1024  # a /stop reason
 INBOX_CAPACITY = 256  # messages a worker's inbox holds; the coordinator feeds no further ahead than fits
 
 
+MAX_STAGE_BYTES = 64 << 30  # a stage assignment (its files) received in pieces: written to disk as it arrives
 MAX_SEGMENT_STEPS = 100_000  # steps of one /run segment (a worker queues one window per step)
 
 

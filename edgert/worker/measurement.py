@@ -22,6 +22,7 @@ from edgert.protocol import (
 from edgert.stage import StageSession
 from edgert.transport import BadRequest, Envelope, Request, TensorClient, TensorServer, TransportError
 from edgert.transport.tls import COORDINATOR_ROLE
+from edgert.transport.transfers import Admission
 from edgert.worker.machine import memory_bytes, usable_cores
 from edgert.worker.slowdown import SlowdownSchedule
 from edgert.worker.stage_timer import measure_stage, probe_link
@@ -36,18 +37,21 @@ class Measurement:
 
     def __init__(self, client: TensorClient, name: str, slowdown: SlowdownSchedule,
                  read_stage: Callable[..., tuple[StageAssignment, dict[str, bytes]]],
-                 load: Callable[[StageAssignment, dict[str, bytes], str], StageSession]):
+                 load: Callable[[StageAssignment, dict[str, bytes], str], StageSession],
+                 admit_stage: Admission | None = None):
         self._client = client
         self._name = name
         self._slowdown = slowdown
         self._read_stage = read_stage
         self._load = load
+        self._admit_stage = admit_stage  # a stage sent in pieces (its files written to disk as they arrive)
 
     def register(self, server: TensorServer) -> None:
         """Serve /profile and /probe (the coordinator's only, over TLS) and /echo (anyone's: the other end
         of a probe)."""
         boss = (COORDINATOR_ROLE,)
-        server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",), roles=boss)
+        server.add_resource(PROFILE, post=self._on_profile, rt="edgert.profile", kinds=("stage",), roles=boss,
+                            pieces=self._admit_stage)
         server.add_resource(PROBE, post=self._on_probe, rt="edgert.probe", kinds=("control",), roles=boss)
         server.add_resource(ECHO, post=self._on_echo, rt="edgert.echo", envelope=False)
 

@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import threading
 
-from edgert.transport import Envelope, TensorClient
+from edgert.transport import Envelope, PieceOptions, TensorClient
 
 log = logging.getLogger("edgert.worker.outbox")
 MAX_IN_FLIGHT = 16
@@ -56,7 +56,7 @@ class Outbox:
         await self._client.cancel_submissions()
 
     def submit(self, url: str, path: str, envelope: Envelope, codec, method: str = "POST",
-               must_arrive: bool = True) -> None:
+               must_arrive: bool = True, pieces: PieceOptions | None = None) -> None:
         """Hand a send to the transport loop without waiting for it; raise an earlier failure that matters.
 
         Called from the compute thread. Waits only while :data:`MAX_IN_FLIGHT` sends are
@@ -75,6 +75,6 @@ class Outbox:
                 if fatal and generation == self._generation:
                     raise  # a failed send of this assignment fails the stage, in the compute thread
                 log.info("%s: a send failed: %s", self._name, error)
-        future = self._client.submit(method, url, path, envelope, codec=codec)
+        future = self._client.submit(method, url, path, envelope, codec=codec, pieces=pieces)
         with self._lock:
             self._pending.append((future, self._generation, must_arrive))

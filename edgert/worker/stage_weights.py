@@ -5,7 +5,9 @@
 to a worker that takes those blocks over (re-partitioning); ``POST /migrate`` makes this
 worker pull what it now owns from the workers that held it. After every ``replicate_every``
 steps the compute thread has a snapshot sent to the workers that keep copies of this stage;
-``PUT /replica`` receives theirs, ``GET /replica`` lists what is held.
+``PUT /replica`` receives theirs, ``GET /replica`` lists what is held. A state larger than a piece moves
+in pieces (docs/PROTOCOL.md §12), never more of it than this stage's state (``PUT``/``FETCH /weights``)
+or the room left for peers' copies (``PUT /replica``, room that scales with the stage: :func:`copy_budget`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from edgert.errors import EdgertError, ReplicaStoreFull
+from edgert.optimizer import make_optimizer
 from edgert.protocol import (
     MIGRATE,
     REPLICA,
@@ -29,7 +32,14 @@ from edgert.protocol import (
     WeightsQuery,
     read_request,
 )
-from edgert.replica import SELF_ORIGIN, CopyStore, held_stages, holdings_to_meta
+from edgert.replica import (
+    DEFAULT_MAX_PEER_BYTES,
+    KEEP_VERSIONS,
+    SELF_ORIGIN,
+    CopyStore,
+    held_stages,
+    holdings_to_meta,
+)
 from edgert.stage import StageSession
 from edgert.transport import (
     BadRequest,
@@ -42,8 +52,9 @@ from edgert.transport import (
 )
 from edgert.transport.errors import Forbidden
 from edgert.transport.limits import Limits
+from edgert.transport.pieces import MemorySink, Piece, Sink
 from edgert.transport.tls import COORDINATOR_ROLE
-from edgert.weights import KIND, StageState
+from edgert.weights import KIND, StageState, state_bytes_bound, state_pieces
 from edgert.worker.current_stage import CurrentStage
 from edgert.worker.errors import Busy
 from edgert.worker.outbox import Outbox
@@ -70,10 +81,10 @@ class StageWeights:
         boss = (COORDINATOR_ROLE,)
         server.add_resource(WEIGHTS, get=self._on_weights_get, put=self._on_weights_put,
                             fetch=self._on_weights_fetch, rt="edgert.weights", kinds=("weights", "control"),
-                            roles={"GET": boss, "PUT": boss})
+                            roles={"GET": boss, "PUT": boss}, pieces=self._admit_state, piece_answers=True)
         server.add_resource(MIGRATE, post=self._on_migrate, rt="edgert.migrate", kinds=("control",), roles=boss)
         server.add_resource(REPLICA, put=self._on_replica_put, get=self._on_replica_get,
-                            rt="edgert.replica", kinds=("weights",), roles={"GET": boss})
+                            rt="edgert.replica", kinds=("weights",), roles={"GET": boss}, pieces=self._admit_copy)
 
     def new_assignment(self, assignment: StageAssignment) -> None:
         """Before ``assignment`` replaces the current stage: keep the current state for the workers that take
@@ -85,6 +96,7 @@ class StageWeights:
             self._previous = None
         if current.assignment is None or current.assignment.run_id != assignment.run_id:
             self._copies.clear()
+        self._copies.max_peer_bytes = copy_budget(assignment)
 
     def training_resumed(self) -> None:
         """A segment of the current stage starts: the state held before its assignment has been taken over (a
@@ -133,7 +145,8 @@ class StageWeights:
         if to_coordinator:
             targets.append(assignment.peers.coordinator)
         for target in targets:
-            self._outbox.submit(target, REPLICA, envelope, None, method="PUT", must_arrive=False)
+            self._outbox.submit(target, REPLICA, envelope, None, method="PUT", must_arrive=False,
+                                pieces=state_pieces(0))
         return len(targets)
 
     # -- resources -------------------------------------------------------------------------
@@ -151,23 +164,43 @@ class StageWeights:
         session.load_parameters(state.parameters)
         session.load_optimizer_state(state.optimizer)
 
-    async def _on_replica_put(self, request: Request) -> None:
-        """A peer's snapshot of a stage this worker keeps copies of, taken after a step of the run."""
+    def _admit_state(self, request: Request, piece: Piece) -> Sink:
+        """``PUT /weights`` in pieces: at most this stage's state."""
+        session = self._current.require_session()
+        self._current.check_run(piece.header)
+        bound = state_bytes_bound(session.entry.parameters, session.optimizer.buffer_names)
+        if piece.size > bound:
+            raise TooLarge(f"a state of {piece.size} bytes for stage {session.entry.index}, whose whole state takes "
+                           f"at most {bound}", size1=bound)
+        return MemorySink(piece.size)
+
+    def _admit_copy(self, request: Request, piece: Piece) -> Sink:
+        """``PUT /replica`` in pieces: a copy this worker keeps, within the room left for copies (reserved until
+        the copy is kept or dropped)."""
+        self._check_copy(piece.header, piece.size)
+        return MemorySink(piece.size, on_close=self._copies.reserve(piece.size))
+
+    def _check_copy(self, envelope: Envelope, size: int | None) -> None:
+        """A copy of a stage this worker keeps, of this run, after an announced step; ``size``: its bytes, to
+        check against the room left (None: a body that arrived in pieces, its room reserved already)."""
         current, copies = self._current, self._copies
-        current.check_run(request.envelope)
-        origin = _origin(request)
-        if len(request.payload) > copies.room():
-            raise TooLarge(f"a copy of {len(request.payload)} bytes does not fit: copies from peers may take "
+        current.check_run(envelope)
+        if size is not None and size > copies.room():
+            raise TooLarge(f"a copy of {size} bytes does not fit: copies from peers may take "
                            f"{copies.max_peer_bytes} bytes here, {copies.room()} are left")
-        envelope, assignment = request.envelope, current.assignment
+        assignment = current.assignment
         held = held_stages(assignment.entry.index, assignment.stages, len(assignment.replica_targets))
         if envelope.stage not in held:
             raise Forbidden(f"stage {assignment.entry.index} keeps copies of stage(s) {sorted(held)} of "
                             f"{assignment.stages}, not of stage {envelope.stage}")
         if not any(s.first_step <= envelope.step <= s.last_step for s in current.announced()):
             raise BadRequest(f"a copy after step {envelope.step}, which no run command of this worker covers")
+
+    async def _on_replica_put(self, request: Request) -> None:
+        """A peer's snapshot of a stage this worker keeps copies of, taken after a step of the run."""
+        self._check_copy(request.envelope, None if request.sink is not None else len(request.payload))
         try:
-            copies.put(_stage_state(envelope), origin)
+            self._copies.put(_stage_state(request.envelope), _origin(request))
         except ReplicaStoreFull as error:
             raise TooLarge(str(error)) from None
 
@@ -220,9 +253,22 @@ class StageWeights:
         if source.url == SELF:
             return self._copies.get(source.copy_step, names) if source.copy_step is not None \
                 else _subset(self._previous, names)
+        session = self._current.require_session()
+        wanted = [p for p in session.entry.parameters if p.name in set(names)]
         response = await self._client.request("FETCH", source.url, WEIGHTS,
-                                              source.query().to_envelope(self._current.run_id), timeout=120.0)
+                                              source.query().to_envelope(self._current.run_id), timeout=120.0,
+                                              pieces=state_pieces(state_bytes_bound(
+                                                  wanted, session.optimizer.buffer_names)))
         return _subset(_stage_state(response.envelope(self._limits)), names)
+
+
+def copy_budget(assignment: StageAssignment) -> int:
+    """Bytes of peers' copies a worker of ``assignment`` takes: for each stage it keeps copies of, the versions
+    kept and one arriving, each up to twice this stage's state (stages of one plan differ in size); at least
+    :data:`~edgert.replica.DEFAULT_MAX_PEER_BYTES`."""
+    held = held_stages(assignment.entry.index, assignment.stages, len(assignment.replica_targets))
+    own = state_bytes_bound(assignment.entry.parameters, make_optimizer(assignment.settings.training).buffer_names)
+    return max(DEFAULT_MAX_PEER_BYTES, len(held) * (KEEP_VERSIONS + 1) * 2 * own)
 
 
 def _state_of(session: StageSession, step: int = 0) -> StageState:

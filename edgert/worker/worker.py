@@ -21,6 +21,7 @@ from pathlib import Path
 from edgert.errors import EdgertError, ProtocolError
 from edgert.protocol import (
     HEALTH,
+    MAX_STAGE_BYTES,
     RUN,
     STAGE,
     STOP,
@@ -43,12 +44,14 @@ from edgert.transport import (
     Request,
     TensorClient,
     TensorServer,
+    TooLarge,
     get_codec,
 )
 from edgert.transport.coap_tcp import DEFAULT_PORT
 from edgert.transport.errors import Forbidden, UnsupportedContentFormat
 from edgert.transport.limits import DEFAULT_LIMITS, Limits
 from edgert.transport.message import TEXT
+from edgert.transport.pieces import FileSink, Piece, Sink
 from edgert.transport.tls import COORDINATOR_ROLE, TlsCredentials
 from edgert.transport.urls import parse_url
 from edgert.worker.compute_thread import ComputeThread
@@ -62,6 +65,7 @@ from edgert.worker.slowdown import SlowdownSchedule
 from edgert.worker.stage_weights import StageWeights
 
 log = logging.getLogger("edgert.worker.worker")
+DISK_RESERVE = 64 << 20  # free disk space a stage sent in pieces leaves
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class Worker:
         self.weights = StageWeights(self.current, self.client, self.outbox, config.slowdown, config.limits,
                                     own_url=lambda: self.url)
         self.measurement = Measurement(self.client, config.name, config.slowdown, read_stage=self._read_stage,
-                                       load=self._load)
+                                       load=self._load, admit_stage=self._admit_stage)
         self.compute = ComputeThread(self.current, self.outbox, config.name, after_step=self.weights.replicate)
         self._workdir = Path(config.workdir) if config.workdir else Path(tempfile.mkdtemp(prefix="edgert-worker-"))
         self._owns_workdir = config.workdir is None
@@ -118,7 +122,8 @@ class Worker:
         server = self.server
         boss = (COORDINATOR_ROLE,)  # over TLS, only the coordinator may command a worker
         server.add_observable(HEALTH, rt="edgert.health", get=self._on_health, title="worker health")
-        server.add_resource(STAGE, put=self._on_stage, rt="edgert.stage", kinds=("stage",), roles=boss)
+        server.add_resource(STAGE, put=self._on_stage, rt="edgert.stage", kinds=("stage",), roles=boss,
+                            pieces=self._admit_stage)
         server.add_resource(RUN, post=self._on_run, rt="edgert.run", kinds=("control",), roles=boss)
         server.add_resource(STOP, post=self._on_stop, rt="edgert.stop", envelope=False, roles=boss)
         self.inputs.register(server)
@@ -186,6 +191,17 @@ class Worker:
                      f"({len(assignment.entry.blocks)} blocks, loaded in {load_ms:.0f} ms)")
         return Envelope(kind="control", run_id=assignment.run_id, stage=assignment.entry.index,
                         meta={"loaded": True, "load_ms": load_ms, "worker": self.config.name})
+
+    def _admit_stage(self, request: Request, piece: Piece) -> Sink:
+        """A stage assignment (``PUT /stage``, ``POST /profile``) in pieces: written to this worker's disk as it
+        arrives (removed once read), up to :data:`MAX_STAGE_BYTES` and the free space there."""
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        room = min(MAX_STAGE_BYTES, shutil.disk_usage(self._workdir).free - DISK_RESERVE)
+        if piece.size > room:
+            raise TooLarge(f"a stage assignment of {piece.size} bytes; this worker takes at most {max(room, 0)} "
+                           f"(MAX_STAGE_BYTES, or its free disk space less {DISK_RESERVE >> 20} MiB)",
+                           size1=max(room, 0))
+        return FileSink(self._workdir / "incoming" / f"stage-{piece.transfer}.cbor", keep=False)
 
     def _read_stage(self, envelope: Envelope, beside: tuple[str, ...] = (),
                     purpose: str = "stage") -> tuple[StageAssignment, dict[str, bytes]]:

@@ -17,7 +17,6 @@ import pytest
 
 from edgert.coordinator.coordinator import TrainConfig
 from edgert.coordinator.localcluster import LocalCluster
-from edgert.coordinator.snapshots import CENTRAL_MAX_BYTES
 from edgert.protocol import JOIN, REPLICA, REPORT, JoinRequest
 from edgert.transport import ClientConfig, Envelope, SyncClient, TensorClient
 from edgert.transport.limits import MiB
@@ -64,18 +63,15 @@ def test_a_flood_of_copies_of_stages_the_plan_lacks_is_refused_and_kept_nowhere(
                                              if h.stage > 2 or h.origin.startswith("evil")]
             late = client.request("PUT", url, REPLICA, copy(running.run_id, 0, 10**6, 1024, "x"),
                                   raise_for_status=False)
-            store = running.coordinator.recovery.central.store
-            store.max_peer_bytes = kept_bytes(running) + MiB  # the budget nearly spent: a 2 MiB copy is too much
-            over = client.request("PUT", url, REPLICA, copy(running.run_id, 0, 3, 2 * MiB, "x"),
+            over = client.request("PUT", url, REPLICA, copy(running.run_id, 0, 3, 2 * MiB, "x"),  # > stage 0's state
                                   raise_for_status=False)
-            store.max_peer_bytes = CENTRAL_MAX_BYTES
             other = client.request("PUT", url, REPLICA, copy("another-run", 0, 3, 1024, "x"), raise_for_status=False)
         summary = running.finish()
     assert {a.code.dotted for a in answers} == {"4.00"}, {a.code.dotted for a in answers}
     assert answers[0].text == "a copy of stage 100; the plan has stages 0 to 2"
     assert not strays and grown < 64 * MiB, f"kept {strays}; RSS grew by {grown / MiB:.0f} MiB"
     assert late.code.dotted == "4.00" and late.text.startswith(f"a copy after step {10**6}; this run has sent steps")
-    assert over.code.dotted == "4.13" and "does not fit: the coordinator keeps" in over.text, over.text
+    assert over.code.dotted == "4.13" and "of stage 0, whose whole state takes at most" in over.text, over.text
     assert other.code.dotted == "4.00" and "a copy of run 'another-run'" in other.text
     assert summary.steps == FLOOD_STEPS
     assert not list((tmp_path / "run" / "snapshots").glob("step_*/stage[!012]*.cbor"))
