@@ -176,7 +176,7 @@ def export_onnx(module: nn.Module, model: ZooModel, exporter: str, mode: str, pa
     (torch's default); ``mode`` "training" exports ``module.train()`` (TorchScript: ``TrainingMode.TRAINING`` and
     no constant folding, as docs/EXPORTER.md recommends), "eval" exports ``module.eval()`` with the defaults
     (TorchScript folds BatchNorm into the convolutions before it). The batch axis is dynamic. The dynamo exporter
-    writes one file (``external_data=False``): edgert does not read a ``.onnx.data`` beside the model today."""
+    writes the weights beside the model (``MODEL.onnx.data``), as it does by default."""
     if exporter not in EXPORTERS or mode not in MODES:
         raise ValueError(f"exporter {exporter!r} / mode {mode!r}: choose from {EXPORTERS} / {MODES}")
     module.train(mode == "training")
@@ -188,8 +188,7 @@ def export_onnx(module: nn.Module, model: ZooModel, exporter: str, mode: str, pa
         if mode == "training":
             options.update(training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
     else:
-        # one file: edgert reads the .onnx alone, and the default external_data=True puts the weights beside it
-        options = {"dynamo": True, "external_data": False,
+        options = {"dynamo": True,
                    "dynamic_shapes": ({0: torch.export.Dim("N", min=2, max=4096)},)}
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
