@@ -24,11 +24,9 @@ FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 BATCH = "N"
 
-ARTIFACT_ROLES = ("training", "backward", "forward_stash", "backward_stash", "eval", "infer", "optimizer",
-                  "checkpoint", "parameters", "backward_input", "backward_weight", "backward_stash_input",
-                  "backward_stash_weight")
-# What a worker needs to train its stage, all runnable by stock onnxruntime (the rest serve ORT's
-# own training API and the host, and need the training build).
+ARTIFACT_ROLES = ("backward", "forward_stash", "backward_stash", "eval", "infer", "parameters", "backward_input",
+                  "backward_weight", "backward_stash_input", "backward_stash_weight")
+# What a worker needs to train its stage, all runnable by stock onnxruntime (the rest serve the host).
 RUNTIME_ROLES = ("backward", "eval", "infer", "parameters")
 # ... and with activation stashing (a stage that is not the last).
 STASH_ROLES = ("forward_stash", "backward_stash")
