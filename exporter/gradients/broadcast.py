@@ -28,6 +28,8 @@ def sum_to(c: GradientContext, gradient: str, operand: str, result: str) -> str:
     if not axes:
         return gradient
     w = c.writer
+    if axes == list(range(lead)):  # only leading axes (a bias beside a batch): summed away, nothing to reshape
+        return w.reduce("ReduceSum", gradient, axes, keepdims=False)
     summed = w.reduce("ReduceSum", gradient, axes, keepdims=True)
     return w.reshape(summed, c.shape_of(operand)) if lead else summed
 
