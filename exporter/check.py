@@ -112,7 +112,8 @@ class CheckReport:
         data["stages"] = [{**asdict(d), "grad_allowed": d.grad_allowed, "param_allowed": d.param_allowed, "ok": d.ok}
                           for d in self.stages]
         data["training_build"] = [{**asdict(c), "largest": c.largest, "ok": c.ok} for c in self.training_build]
-        return {**data, "loss_allowed": self.loss_allowed, "ok": self.ok}
+        return {**data, "loss_allowed": self.loss_allowed, "max_grad_rel_diff": self.max_grad_rel_diff,
+                "max_param_rel_diff": self.max_param_rel_diff, "ok": self.ok}
 
 
 def check_plan(plan_dir: str | Path, model_path: str | Path | None = None, steps: int = 3,

@@ -107,7 +107,7 @@ class Float64Chain:
         self._gradient[...] = 0.0
 
     def _last_feeds(self, stage: _Stage, values: Tensors, labels: Tensors, parameters: Tensors) -> dict:
-        return {**values, **labels, LOSS_SCALE_INPUT: np.array(1.0), **stage.buffers, **parameters}
+        return {**values, **_wide(labels), LOSS_SCALE_INPUT: np.array(1.0), **stage.buffers, **parameters}
 
     def _run(self, inputs: Tensors, labels: Tensors, parameters: Tensors
              ) -> tuple[float, dict[str, np.ndarray], list[dict[str, np.ndarray]]]:

@@ -64,11 +64,11 @@ def test_more_stages_than_blocks(skip_model_path, tmp_path):
 
 def test_op_without_gradient_names_op_and_node(tmp_path):
     model = make_skip_model()
-    model.graph.node[1].op_type = "Softplus"
-    path = tmp_path / "softplus.onnx"
+    model.graph.node[1].op_type = "Atan"
+    path = tmp_path / "atan.onnx"
     path.write_bytes(model.SerializeToString())
     assert_one_line_error(run("export", path, "--stages", "2", "-o", tmp_path / "plan"),
-                          "no gradient for op Softplus", "node '/b/Relu'")
+                          "no gradient rule for operator Atan", "node '/b/Relu'", "stage 0")
 
 
 def test_explicit_cuts_by_index_block_and_node(skip_model_path, tmp_path):
@@ -89,10 +89,19 @@ def test_check_and_inspect_work_from_the_cli(skip_model_path, tmp_path):
     assert report["ok"] and report["max_grad_rel_diff"] <= 1e-4 and "loss_diff" in report
 
 
-def test_check_fails_with_exit_1_above_tolerance(skip_model_path, tmp_path):
+def test_check_fails_with_exit_1_when_a_gradient_is_wrong(skip_model_path, tmp_path, monkeypatch):
+    """A plan exported with one rule broken (Relu's gradient 1% too large) fails check, exit code 1."""
+    from edgert.exporter.gradients import registry
+    from edgert.exporter.gradients.elementwise import relu
+
+    def broken(context):
+        return {0: context.writer.op("Mul", [relu(context)[0], context.scalar_like(1.01, context.input(0))])}
+
     plan = tmp_path / "plan"
-    assert run("export", skip_model_path, "--stages", "2", "-o", plan).exit_code == 0
-    result = run("check", plan, "--tolerance", "0", "--steps", "3")
+    with monkeypatch.context() as patched:
+        patched.setitem(registry.RULES, ("", "Relu"), registry.GradientRule(broken, (0,)))
+        assert run("export", skip_model_path, "--stages", "2", "-o", plan).exit_code == 0
+    result = run("check", plan, "--steps", "1")
     assert result.exit_code == 1 and "FAIL" in result.output
 
 
@@ -129,7 +138,7 @@ def test_an_operator_without_a_gradient_rule_fails_before_anything_is_written(tm
     path = tmp_path / "up.onnx"
     onnx.save(_upsampling_model(), str(path))
     result = run("export", path, "-o", tmp_path / "plan", "--stages", "2")
-    assert_one_line_error(result, "no gradient rule for operator Resize", "/up/Resize", "stage 0")
+    assert_one_line_error(result, "no gradient rule for operator Resize", "/up/Resize", "stage 1")
     assert not (tmp_path / "plan").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["up.onnx"]  # no half-built stage folder left behind
 
@@ -139,7 +148,7 @@ def test_a_failed_export_leaves_the_previous_plan_as_it_was(skip_model_path, tmp
     before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "plan").rglob("*") if p.is_file()}
     path = tmp_path / "up.onnx"
     onnx.save(_upsampling_model(), str(path))
-    assert_one_line_error(run("export", path, "-o", tmp_path / "plan"), "ResizeGrad")
+    assert_one_line_error(run("export", path, "-o", tmp_path / "plan"), "no gradient rule for operator Resize")
     after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "plan").rglob("*") if p.is_file()}
     assert after == before
 

@@ -238,9 +238,10 @@ def test_the_training_form_keeps_the_source_s_dropout_and_batchnorm(dropout_run,
     source = onnx.load(str(dropout_run / "plan" / "source.onnx"))
     assert [n.op_type for n in merged.graph.node] == [n.op_type for n in source.graph.node]
     assert {p.key: p.value for p in merged.metadata_props}["edgert.form"] == "training"
-    x = load_dataset("digits-image").x_test[:64]
-    first, again = logits_of(tmp_path / "t.onnx", x), logits_of(tmp_path / "t.onnx", x)
-    assert np.abs(first - again).max() > 1e-3  # Dropout in training mode: random, as exported
+    # each Dropout as exported, its ratio and training_mode inputs included (whether an onnxruntime then draws masks
+    # in an inference session is its own choice: 1.19 does, 1.32 drops them)
+    kept = [list(n.input) for n in merged.graph.node if n.op_type == "Dropout"]
+    assert kept and kept == [list(n.input) for n in source.graph.node if n.op_type == "Dropout"]
 
 
 @pytest.mark.torch

@@ -7,7 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgert.exporter.errors import ModelLoadError
 from edgert.exporter.recurrent import unroll_recurrent
-from tests.exporter.portable_cases import run
+from tests.exporter.gradient_cases import run_ort as run
 
 STEPS, BATCH, INPUT, HIDDEN = 5, 3, 4, 6
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
