@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from edgert.bench.faults import MetricsTail
-from edgert.coordinator.evaluation import loss_and_accuracy
 from edgert.coordinator.localcluster import LocalCluster
+from edgert.scoring import Score
 from edgert.transport.limits import DEFAULT_LIMITS
 from edgert.weights import load_state
 from tests.running_coordinator import free_port
@@ -107,7 +107,9 @@ def check_merged(merged: Path, checkpoint: Path, data: Path, tail: MetricsTail) 
     session = onnxruntime.InferenceSession(str(merged), providers=["CPUExecutionProvider"])
     logits = np.concatenate([session.run(None, {session.get_inputs()[0].name: arrays["x_test"][i:i + 16]})[0]
                              for i in range(0, len(arrays["x_test"]), 16)])
-    loss, accuracy = loss_and_accuracy("cross_entropy", logits, arrays["y_test"])
+    score = Score("cross_entropy")
+    score.add(logits, arrays["y_test"])
+    loss, accuracy = score.mean_loss, score.accuracy
     last = [r for _, r in tail.records if r.get("type") == "eval"][-1]
     assert accuracy == pytest.approx(last["test_accuracy"], abs=1e-9), (accuracy, last)
     assert loss == pytest.approx(last["test_loss"], rel=1e-3), (loss, last)  # the same logits, to float rounding
