@@ -36,9 +36,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before onnxruntime loads
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-from onnx import TensorProto, helper  # noqa: E402
-
-from onnx import numpy_helper  # noqa: E402
+from onnx import (  # noqa: E402
+    TensorProto,
+    helper,
+    numpy_helper,  # noqa: E402
+)
 
 from edgert.exporter.gradients import convolution  # noqa: E402
 from edgert.exporter.gradients.builder import build_gradient_graph  # noqa: E402

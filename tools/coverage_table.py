@@ -59,7 +59,8 @@ def row(result: CaseResult) -> str:
                                    if result.largest_error > result.tolerance else "float64 error above tolerance")
     detail = detail.replace("|", "\\|")
     return (f"| {result.model} | {result.exporter} | {result.mode} | {result.stages} | {figure(result.largest_error)} "
-            f"| {figure(result.noise_floor)} | {figure(result.exact_error)} | {result.chaotic} | {verdict} | {detail} |")
+            f"| {figure(result.noise_floor)} | {figure(result.exact_error)} | {result.chaotic} | {verdict} "
+            f"| {detail} |")
 
 
 def _versions() -> str:

@@ -19,9 +19,9 @@ import hashlib
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,7 +29,7 @@ import numpy as np
 from edgert.transport.envelope import Envelope
 from edgert.transport.errors import BadRequest, Incomplete, TooLarge
 from edgert.transport.framing import Buffer
-from edgert.transport.limits import MiB, Limits
+from edgert.transport.limits import Limits, MiB
 
 PIECE_KIND = "piece"
 """Envelope kind of one piece of a body."""

@@ -186,4 +186,5 @@ def format_table(result: dict[str, Any]) -> str:
     worst = [f"worst against {kind}: {result['ratios'][f'edgert_vs_{kind}_worst']:.3f}" for kind in kinds]
     return "\n".join([
         f"edgert's gradient graphs vs {' and '.join(kinds)} (micro-batch {result['batch']}, {result['stages']} "
-        f"stages, 1 thread)", *table(columns, result["rows"]), "", *worst, "", *target_lines(targets, result["ratios"])])
+        f"stages, 1 thread)", *table(columns, result["rows"]), "", *worst, "",
+        *target_lines(targets, result["ratios"])])

@@ -72,9 +72,9 @@ from edgert.bench.trace_hops import trace_hops
 from edgert.coordinator.localcluster import LocalCluster
 from edgert.exporter.export import ExportOptions, export_plan
 from edgert.exporter.ort_training import training_api
-from edgert.ort_import import training_folder
 from edgert.manifest import TrainingConfig, load_manifest
 from edgert.models import build_model, get_model_spec, load_dataset, save_model
+from edgert.ort_import import training_folder
 from edgert.schedule import simulate
 from edgert.worker.machine import usable_cores
 

@@ -33,7 +33,6 @@ from edgert.bench.harness import Column, Target, option, result, table, target_l
 from edgert.bench.transport import RawSink, parse_size, size_text
 from edgert.transport import ClientConfig, Envelope, PieceOptions, Request, TensorClient, TensorServer
 from edgert.transport.envelope import encode_envelope_parts
-from edgert.transport.limits import MiB
 from edgert.transport.pieces import PIECE_BYTES, MemorySink
 
 TENSOR_FLOATS = 4 * 1024 * 1024  # 16 MiB tensors, the size of a wide layer's weight or its Adam buffer

@@ -24,7 +24,6 @@ from edgert.run_settings import CODEC, RunSettings
 from edgert.transport import Envelope, PieceOptions
 from edgert.typed_data import at_least, satisfies, to_data
 
-
 ASSIGNMENT_PIECES = PieceOptions(max_body=0)
 """How ``PUT /stage`` and ``POST /profile`` go: the assignment (its files, the parameters among them) in pieces
 when it is larger than one (docs/PROTOCOL.md §12); the answer is one small message."""

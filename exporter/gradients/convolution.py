@@ -15,8 +15,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import numpy as np
-
 from edgert.exporter.gradients.normalization import channel_sum
 from edgert.exporter.gradients.registry import GradientContext, NodeContext, gradient
 

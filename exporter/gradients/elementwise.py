@@ -151,7 +151,7 @@ def prelu(c: GradientContext) -> dict[int, str]:
 def exponential_linear(c: GradientContext) -> dict[int, str]:
     """Above 0 the slope is 1 (Selu: gamma); below, the slope is the output plus alpha (Selu: times gamma;
     Celu: exp(x / alpha) = y / alpha + 1)."""
-    w, dy, x, y = c.writer, c.dy(), c.input(0), c.output(0)
+    w, x, y = c.writer, c.input(0), c.output(0)
     op = c.node.op_type
     alpha = c.attr("alpha", {"Elu": 1.0, "Selu": 1.67326319217681884765625, "Celu": 1.0}[op])
     gamma = c.attr("gamma", 1.05070102214813232421875) if op == "Selu" else 1.0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgert.transport import Envelope, TensorClient, TensorServer, encode_envelope
-from edgert.transport.limits import MiB, Limits
+from edgert.transport.limits import Limits, MiB
 from edgert.transport.pieces import (
     FileSink,
     MemorySink,
@@ -239,8 +239,9 @@ def test_a_piece_of_a_transfer_answered_to_another_peer_is_not_handed_out():
         async with TensorClient() as client:
             first = await client.request("GET", url, "weights")  # no pieces option: the first piece as it is
             transfer = first.envelope().meta["transfer"]
-            holder.server.transfers._outgoing = {("elsewhere:1", transfer): v  # the transfer now belongs to another
-                                                 for (_, _), v in holder.server.transfers._outgoing.items()}
+            # the transfer now belongs to another peer
+            held = list(holder.server.transfers._outgoing.values())
+            holder.server.transfers._outgoing = {("elsewhere:1", transfer): held[0]}
             stolen = await client.request("FETCH", url, "piece", piece_request(transfer, PIECE * 8),
                                           raise_for_status=False)
         await holder.server.shutdown()
