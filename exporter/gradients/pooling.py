@@ -58,7 +58,9 @@ def _average_counts(window: Window, spatial: tuple[int, ...], out: tuple[int, ..
 def average_pool(c: GradientContext) -> dict[int, str]:
     """Each dY over its window's size, spread back over the window: a depthwise ConvTranspose with a ones kernel."""
     w, x, y = c.writer, c.input(0), c.output(0)
-    channels = c.static(x, 1, what="the channels")[0]
+    channels = c.type_of(x).shape[1]
+    if not isinstance(channels, int):
+        raise c.refuse(f"the channels of {x!r} must be known (got {list(c.type_of(x).shape)})")
     kernel = tuple(c.attr("kernel_shape"))
     if any(d != 1 for d in c.attr("dilations", [1] * len(kernel))):
         raise c.refuse("dilated AveragePool is not supported")
